@@ -1,0 +1,39 @@
+"""The two-level gradient communicator.
+
+Typical use inside any training loop (the process group already initialised)::
+
+    topology = discover_topology()
+    groups = CommGroups.build(topology, intra_backend="auto", inter_backend="auto")
+    comm = make_communicator("hierarchical", groups)
+    comm.all_reduce_mean_(grad_buffer)        # or, with DDP:
+    hook = register_comm_hook(ddp_model, comm)
+
+This package does not import Hydra, TensorBoard or anything that touches files.
+"""
+
+from hybrid.comm.base import LOW_PRECISION, SUPPORTED_DTYPES, Communicator
+from hybrid.comm.counters import PHASES, PhaseCounters, PhaseStats
+from hybrid.comm.ddp_hook import CommHookState, register_comm_hook
+from hybrid.comm.factory import ALGORITHMS, make_communicator
+from hybrid.comm.flat import FlatCommunicator
+from hybrid.comm.groups import BACKENDS, CommGroups
+from hybrid.comm.hierarchical import HierarchicalCommunicator
+from hybrid.comm.sharded import ShardedCommunicator
+
+__all__ = [
+    "ALGORITHMS",
+    "BACKENDS",
+    "LOW_PRECISION",
+    "PHASES",
+    "SUPPORTED_DTYPES",
+    "CommGroups",
+    "CommHookState",
+    "Communicator",
+    "FlatCommunicator",
+    "HierarchicalCommunicator",
+    "PhaseCounters",
+    "PhaseStats",
+    "ShardedCommunicator",
+    "make_communicator",
+    "register_comm_hook",
+]

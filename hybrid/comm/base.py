@@ -1,0 +1,74 @@
+"""The interface every gradient communicator implements, and the averaging rules they share.
+
+A communicator averages a tensor over all ranks, in place. Subclasses only
+describe how to *sum* across the mesh (:meth:`Communicator._sum_`); the
+precision policy lives here, once, so the three algorithms cannot drift apart:
+
+- fp32 / fp64: sum first, then divide by the world size once (at the cheapest
+  point: on the rank that owns the result, before it is broadcast). With
+  integer-valued inputs the sum is exact in any order, so every algorithm then
+  returns exactly what torch's flat all-reduce followed by a division returns.
+- fp16 / bf16: divide by the world size *before* reducing (as DDP's
+  fp16_compress_hook does). Every partial sum is then bounded by the largest
+  input in magnitude, so no phase can overflow where the inputs are finite,
+  even where a plain summing all-reduce of the same tensors would overflow
+  to inf. The price is one rounding of x / world per element.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from hybrid.comm.counters import PhaseCounters
+from hybrid.comm.groups import CommGroups
+
+__all__ = ["Communicator", "LOW_PRECISION", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class Communicator(ABC):
+    """Averages tensors across all ranks of ``groups.topology``.
+
+    Collective: every rank calls :meth:`all_reduce_mean_` with tensors of the
+    same shape and dtype, in the same order.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None) -> None:
+        self.groups = groups
+        self.topology = groups.topology
+        self.counters = counters if counters is not None else PhaseCounters()
+
+    def all_reduce_mean_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Replace ``tensor`` by its mean over all ranks and return it."""
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            allowed = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+            raise TypeError(f"dtype {tensor.dtype} is not supported: use one of {allowed}")
+        world = self.topology.world_size
+        if tensor.numel() == 0 or world == 1:
+            return tensor
+        # Collectives need one contiguous buffer; DDP buckets already are one.
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+        if tensor.dtype in LOW_PRECISION:
+            flat.div_(world)
+            self._sum_(flat, divisor=None)
+        else:
+            self._sum_(flat, divisor=world)
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+        return tensor
+
+    @abstractmethod
+    def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
+        """Sum ``flat`` (1-D, contiguous, non-empty) over all ranks in place.
+
+        If ``divisor`` is given, the result must also be divided by it, on the
+        rank(s) that own it before it is sent back out, so each element is
+        divided exactly once and every rank receives identical bits.
+        """

@@ -1,0 +1,148 @@
+"""Plug a communicator into torch DDP as a comm hook, keeping DDP's overlap.
+
+DDP calls a comm hook once per gradient bucket, as soon as that bucket is
+ready and strictly in bucket order on every rank, while backward goes on
+computing the remaining gradients. It expects a ``Future`` back and waits for
+all of them only at the end of backward. So bucketing, ``no_sync``,
+``find_unused_parameters`` and overlap all keep working as long as the hook
+returns quickly.
+
+Our algorithms need three dependent phases per bucket. Chaining them with
+``Future.then`` and waiting on another gloo collective inside the callback
+deadlocks (gloo runs callbacks on its own worker threads), and running them
+synchronously inside the hook loses the overlap. Instead each DDP model gets
+one communication thread fed by a FIFO queue: the hook enqueues the bucket
+and returns a fresh Future; the thread runs the phases with ordinary blocking
+waits and completes the Future. Buckets are processed in the order DDP hands
+them over, which is the same on every rank, so every rank issues the same
+collectives in the same order, and early buckets travel while later ones are
+still being computed.
+
+A failing collective (peer gone, timeout) completes that bucket's Future with
+the exception, which DDP re-raises from ``backward()``; every later bucket
+fails fast with the same cause rather than talking to a broken group.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from hybrid.comm.base import Communicator
+
+__all__ = ["BucketTrace", "CommHookState", "register_comm_hook"]
+
+
+@dataclass
+class BucketTrace:
+    """When one bucket was handed over, started and finished (``time.perf_counter``)."""
+
+    index: int
+    nbytes: int
+    submitted: float
+    started: float = 0.0
+    finished: float = 0.0
+
+
+@dataclass
+class _Job:
+    tensor: torch.Tensor
+    future: torch.futures.Future
+    event: "torch.cuda.Event | None"
+    trace: BucketTrace
+
+
+class CommHookState:
+    """Owns the communication thread that serves one DDP model's buckets."""
+
+    def __init__(self, communicator: Communicator, trace_len: int = 4096) -> None:
+        self.communicator = communicator
+        self.traces: deque[BucketTrace] = deque(maxlen=trace_len)
+        self.buckets_per_step: int = 0  # buckets in the last completed backward
+        self._buckets_this_step = 0
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._closed = False
+        rank = communicator.topology.rank
+        self._thread = threading.Thread(target=self._serve, name=f"hybrid-comm-{rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, tensor: torch.Tensor, index: int = 0, is_last: bool = False) -> torch.futures.Future:
+        """Queue ``tensor`` for averaging; the returned Future completes with it."""
+        if self._closed:
+            raise RuntimeError("CommHookState is closed: register a new hook to keep training")
+        event = None
+        if tensor.is_cuda:
+            # The bucket was filled on the backward stream: the comm thread
+            # must not read it before that work is done.
+            event = torch.cuda.Event()
+            event.record()
+            future: torch.futures.Future = torch.futures.Future(devices=[tensor.device])
+        else:
+            future = torch.futures.Future()
+        trace = BucketTrace(index=index, nbytes=tensor.nbytes, submitted=time.perf_counter())
+        self.traces.append(trace)
+        self._buckets_this_step += 1
+        if is_last:
+            self.buckets_per_step, self._buckets_this_step = self._buckets_this_step, 0
+        self._queue.put(_Job(tensor, future, event, trace))
+        return future
+
+    def _serve(self) -> None:
+        stream = None
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if self._error is not None:
+                job.future.set_exception(
+                    RuntimeError(f"an earlier bucket's communication failed: {self._error}")
+                )
+                continue
+            job.trace.started = time.perf_counter()
+            try:
+                if job.event is not None:
+                    if stream is None:
+                        stream = torch.cuda.Stream(device=job.tensor.device)
+                    with torch.cuda.device(job.tensor.device), torch.cuda.stream(stream):
+                        stream.wait_event(job.event)
+                        self.communicator.all_reduce_mean_(job.tensor)
+                        job.future.set_result(job.tensor)
+                else:
+                    self.communicator.all_reduce_mean_(job.tensor)
+                    job.future.set_result(job.tensor)
+            except BaseException as exc:  # surfaced to DDP through the Future
+                self._error = exc
+                job.future.set_exception(exc)
+            job.trace.finished = time.perf_counter()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread after the queued buckets are served (waits at most ``timeout_s``)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+
+def _hybrid_comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    return state.submit(bucket.buffer(), index=bucket.index(), is_last=bucket.is_last())
+
+
+def register_comm_hook(model: DistributedDataParallel, communicator: Communicator) -> CommHookState:
+    """Make ``model`` average its gradient buckets with ``communicator``.
+
+    Returns the hook's state; call its ``close()`` when training ends.
+    """
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"register_comm_hook needs a DistributedDataParallel model, got {type(model).__name__}")
+    state = CommHookState(communicator)
+    model.register_comm_hook(state, _hybrid_comm_hook)
+    return state

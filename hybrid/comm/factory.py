@@ -1,0 +1,41 @@
+"""Pick a communicator by name, with the one documented fallback (sharded on uneven nodes)."""
+
+from __future__ import annotations
+
+import logging
+
+from hybrid.comm.base import Communicator
+from hybrid.comm.counters import PhaseCounters
+from hybrid.comm.flat import FlatCommunicator
+from hybrid.comm.groups import CommGroups
+from hybrid.comm.hierarchical import HierarchicalCommunicator
+from hybrid.comm.sharded import ShardedCommunicator
+
+__all__ = ["ALGORITHMS", "make_communicator"]
+
+log = logging.getLogger(__name__)
+
+ALGORITHMS: dict[str, type[Communicator]] = {
+    cls.name: cls for cls in (FlatCommunicator, HierarchicalCommunicator, ShardedCommunicator)
+}
+
+
+def make_communicator(
+    algorithm: str, groups: CommGroups, counters: PhaseCounters | None = None
+) -> Communicator:
+    """Build the named algorithm over ``groups``.
+
+    ``sharded`` on nodes of unequal size falls back to ``hierarchical`` (its
+    shards would not line up across nodes); the reason is logged and the
+    returned object's ``name`` says which algorithm actually runs.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"comm algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    topo = groups.topology
+    if algorithm == "sharded" and not topo.is_uniform:
+        log.warning(
+            "sharded needs nodes of equal size; node sizes %s are uneven, so using hierarchical",
+            list(topo.node_sizes),
+        )
+        algorithm = "hierarchical"
+    return ALGORITHMS[algorithm](groups, counters)

@@ -1,0 +1,99 @@
+"""Process groups of the two-level mesh, built once per job.
+
+Every algorithm talks only over these groups, never over the default group:
+DDP and the trainer use the default group for their own collectives
+(parameter broadcast, unused-parameter maps, metrics), possibly from another
+thread, and gloo pairs collectives by their order within a group. Keeping the
+communicator's traffic on groups of its own means the two streams of
+collectives can never be matched against each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hybrid.topology import Topology
+
+__all__ = ["BACKENDS", "CommGroups", "resolve_backend"]
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def resolve_backend(name: str, level: str) -> str:
+    """Turn ``auto`` into nccl (CUDA present) or gloo, and check the choice can work."""
+    if name not in BACKENDS:
+        raise ValueError(f"{level}_backend={name!r} is not one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{level}_backend='nccl' needs CUDA, but torch.cuda.is_available() is False: use 'gloo'"
+        )
+    return name
+
+
+@dataclass
+class CommGroups:
+    """This rank's view of the groups: ``None`` where it is not a member.
+
+    - ``world``: every rank (the flat algorithm), on the inter-node backend;
+    - ``intra``: the ranks of this rank's node;
+    - ``leaders``: one rank per node (only set on leaders);
+    - ``cross``: the ranks with this rank's local rank on every node (uniform
+      nodes only; the sharded algorithm's inter-node phase).
+    """
+
+    topology: Topology
+    intra_backend: str
+    inter_backend: str
+    timeout: timedelta
+    world: dist.ProcessGroup
+    intra: dist.ProcessGroup
+    leaders: dist.ProcessGroup | None
+    cross: dist.ProcessGroup | None
+
+    @classmethod
+    def build(
+        cls,
+        topology: Topology,
+        intra_backend: str = "auto",
+        inter_backend: str = "auto",
+        timeout_s: float = 300.0,
+    ) -> "CommGroups":
+        """Create all groups. Collective: every rank calls it, in the same order."""
+        if not dist.is_initialized():
+            raise RuntimeError("CommGroups.build needs torch.distributed.init_process_group first")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
+        intra_b = resolve_backend(intra_backend, "intra")
+        inter_b = resolve_backend(inter_backend, "inter")
+        timeout = timedelta(seconds=timeout_s)
+        world = dist.new_group(list(range(topology.world_size)), timeout=timeout, backend=inter_b)
+        intra, _ = dist.new_subgroups_by_enumeration(
+            [list(node) for node in topology.nodes], timeout=timeout, backend=intra_b
+        )
+        leaders_group = dist.new_group(list(topology.leaders), timeout=timeout, backend=inter_b)
+        cross = None
+        if topology.is_uniform:
+            cross, _ = dist.new_subgroups_by_enumeration(
+                [list(g) for g in topology.cross_groups()], timeout=timeout, backend=inter_b
+            )
+        return cls(
+            topology=topology,
+            intra_backend=intra_b,
+            inter_backend=inter_b,
+            timeout=timeout,
+            world=world,
+            intra=intra,
+            leaders=leaders_group if topology.is_leader else None,
+            cross=cross,
+        )
+
+    def destroy(self) -> None:
+        """Destroy the groups this rank is a member of (the default group stays)."""
+        for group in {id(g): g for g in (self.world, self.intra, self.leaders, self.cross) if g}.values():
+            dist.destroy_process_group(group)
