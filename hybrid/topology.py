@@ -205,7 +205,7 @@ class Topology:
         the sharded algorithm would not line up across nodes.
         """
         if not self.is_uniform:
-            raise ValueError(f"cross groups need equal nodes, got node sizes {self.node_sizes}")
+            raise ValueError(f"cross groups need equal nodes, got node sizes {list(self.node_sizes)}")
         return tuple(tuple(members[j] for members in self.nodes) for j in range(self.node_sizes[0]))
 
     def describe(self) -> str:

@@ -11,7 +11,7 @@ Typical use inside any training loop (the process group already initialised)::
 This package does not import Hydra, TensorBoard or anything that touches files.
 """
 
-from hybrid.comm.base import LOW_PRECISION, SUPPORTED_DTYPES, Communicator
+from hybrid.comm.base import LOW_PRECISION, SUPPORTED_DTYPES, CommError, Communicator
 from hybrid.comm.counters import PHASES, PhaseCounters, PhaseStats
 from hybrid.comm.ddp_hook import CommHookState, register_comm_hook
 from hybrid.comm.factory import ALGORITHMS, make_communicator
@@ -26,6 +26,7 @@ __all__ = [
     "LOW_PRECISION",
     "PHASES",
     "SUPPORTED_DTYPES",
+    "CommError",
     "CommGroups",
     "CommHookState",
     "Communicator",

@@ -17,18 +17,24 @@ precision policy lives here, once, so the three algorithms cannot drift apart:
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from contextlib import contextmanager
+from typing import ClassVar, Iterator
 
 import torch
 
 from hybrid.comm.counters import PhaseCounters
 from hybrid.comm.groups import CommGroups
 
-__all__ = ["Communicator", "LOW_PRECISION", "SUPPORTED_DTYPES"]
+__all__ = ["CommError", "Communicator", "LOW_PRECISION", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class CommError(RuntimeError):
+    """A collective of one phase failed (peer gone, timeout); the message says where."""
 
 
 class Communicator(ABC):
@@ -72,3 +78,22 @@ class Communicator(ABC):
         rank(s) that own it before it is sent back out, so each element is
         divided exactly once and every rank receives identical bits.
         """
+
+    @contextmanager
+    def _phase(self, name: str, nbytes: int) -> Iterator[None]:
+        """Time the enclosed collectives as phase ``name``; name the phase and rank on failure.
+
+        The block must wait for its collectives, so the time is what this rank
+        spent in the phase.
+        """
+        start = time.perf_counter()
+        try:
+            yield
+        except Exception as exc:
+            topo = self.topology
+            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CommError(
+                f"{self.name} {name} failed on rank {topo.rank} (node {topo.node}, local rank "
+                f"{topo.local_rank}) after {time.perf_counter() - start:.1f}s: {cause}"
+            ) from exc
+        self.counters.add(name, time.perf_counter() - start, nbytes)

@@ -22,10 +22,7 @@ transport.
 from __future__ import annotations
 
 import threading
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 __all__ = ["PHASES", "PhaseCounters", "PhaseStats", "allreduce_bytes", "rooted_bytes"]
 
@@ -69,13 +66,6 @@ class PhaseCounters:
             stats.seconds += seconds
             stats.bytes += nbytes
             stats.calls += 1
-
-    @contextmanager
-    def phase(self, name: str, nbytes: int) -> Iterator[None]:
-        """Time the enclosed block (which must wait for its collectives) as ``name``."""
-        start = time.perf_counter()
-        yield
-        self.add(name, time.perf_counter() - start, nbytes)
 
     def snapshot(self, reset: bool = False) -> dict[str, PhaseStats]:
         """A copy of the counters; with ``reset`` also start the next interval at zero."""

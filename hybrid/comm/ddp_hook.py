@@ -23,8 +23,8 @@ the exception, which DDP re-raises from ``backward()``; every later bucket
 fails fast with the same cause rather than talking to a broken group.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: DDP checks the hook's
+# annotations against the real objects (dist.GradBucket, Future[Tensor]).
 import queue
 import threading
 import time
@@ -46,6 +46,7 @@ class BucketTrace:
 
     index: int
     nbytes: int
+    last: bool
     submitted: float
     started: float = 0.0
     finished: float = 0.0
@@ -74,7 +75,9 @@ class CommHookState:
         self._thread = threading.Thread(target=self._serve, name=f"hybrid-comm-{rank}", daemon=True)
         self._thread.start()
 
-    def submit(self, tensor: torch.Tensor, index: int = 0, is_last: bool = False) -> torch.futures.Future:
+    def submit(
+        self, tensor: torch.Tensor, index: int = 0, is_last: bool = False
+    ) -> "torch.futures.Future[torch.Tensor]":
         """Queue ``tensor`` for averaging; the returned Future completes with it."""
         if self._closed:
             raise RuntimeError("CommHookState is closed: register a new hook to keep training")
@@ -87,7 +90,7 @@ class CommHookState:
             future: torch.futures.Future = torch.futures.Future(devices=[tensor.device])
         else:
             future = torch.futures.Future()
-        trace = BucketTrace(index=index, nbytes=tensor.nbytes, submitted=time.perf_counter())
+        trace = BucketTrace(index, tensor.nbytes, is_last, submitted=time.perf_counter())
         self.traces.append(trace)
         self._buckets_this_step += 1
         if is_last:
@@ -132,7 +135,9 @@ class CommHookState:
         self._thread.join(timeout_s)
 
 
-def _hybrid_comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+def _hybrid_comm_hook(
+    state: CommHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     return state.submit(bucket.buffer(), index=bucket.index(), is_last=bucket.is_last())
 
 

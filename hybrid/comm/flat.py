@@ -16,7 +16,7 @@ class FlatCommunicator(Communicator):
 
     def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
         world = self.topology.world_size
-        with self.counters.phase("flat_allreduce", allreduce_bytes(flat.nbytes, world)):
+        with self._phase("flat_allreduce", allreduce_bytes(flat.nbytes, world)):
             dist.all_reduce(flat, group=self.groups.world)
         if divisor is not None:
             flat.div_(divisor)

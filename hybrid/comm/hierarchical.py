@@ -21,18 +21,18 @@ class HierarchicalCommunicator(Communicator):
     name = "hierarchical"
 
     def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
-        topo, groups, counters = self.topology, self.groups, self.counters
+        topo, groups = self.topology, self.groups
         local = topo.local_world_size
         nbytes = flat.nbytes
         if local > 1:
-            with counters.phase("intra_reduce", rooted_bytes(nbytes, local)):
+            with self._phase("intra_reduce", rooted_bytes(nbytes, local)):
                 dist.reduce(flat, dst=topo.leader, group=groups.intra)
         if topo.is_leader:
             if topo.nnodes > 1:
-                with counters.phase("inter_allreduce", allreduce_bytes(nbytes, topo.nnodes)):
+                with self._phase("inter_allreduce", allreduce_bytes(nbytes, topo.nnodes)):
                     dist.all_reduce(flat, group=groups.leaders)
             if divisor is not None:
                 flat.div_(divisor)
         if local > 1:
-            with counters.phase("intra_broadcast", rooted_bytes(nbytes, local)):
+            with self._phase("intra_broadcast", rooted_bytes(nbytes, local)):
                 dist.broadcast(flat, src=topo.leader, group=groups.intra)

@@ -36,13 +36,13 @@ class ShardedCommunicator(Communicator):
         super().__init__(groups, counters)
 
     def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
-        topo, groups, counters = self.topology, self.groups, self.counters
+        topo, groups = self.topology, self.groups
         local = topo.local_world_size
         members = topo.node_ranks
         shards = torch.tensor_split(flat, local)
         mine = shards[topo.local_rank]
         if local > 1:
-            with counters.phase("intra_reduce", rooted_bytes(flat.nbytes, local)):
+            with self._phase("intra_reduce", rooted_bytes(flat.nbytes, local)):
                 works = [
                     dist.reduce(shard, dst=members[j], group=groups.intra, async_op=True)
                     for j, shard in enumerate(shards)
@@ -52,12 +52,12 @@ class ShardedCommunicator(Communicator):
                     work.wait()
         if mine.numel():
             if topo.nnodes > 1:
-                with counters.phase("inter_allreduce", allreduce_bytes(mine.nbytes, topo.nnodes)):
+                with self._phase("inter_allreduce", allreduce_bytes(mine.nbytes, topo.nnodes)):
                     dist.all_reduce(mine, group=groups.cross)
             if divisor is not None:
                 mine.div_(divisor)
         if local > 1:
-            with counters.phase("intra_broadcast", rooted_bytes(flat.nbytes, local)):
+            with self._phase("intra_broadcast", rooted_bytes(flat.nbytes, local)):
                 works = [
                     dist.broadcast(shard, src=members[j], group=groups.intra, async_op=True)
                     for j, shard in enumerate(shards)

@@ -1,0 +1,229 @@
+"""Micro-benchmark of the communicators: ``python -m hybrid.bench --layout 2x4 --sizes 1M,25M``.
+
+Times flat / hierarchical / sharded and a bare ``torch.distributed.all_reduce``
+on the same tensors, over a layout launched locally (one elastic agent per
+simulated node) or, when started by torchrun, over the real job. For each
+size it prints the median time, the algorithm bandwidth and the bus bandwidth
+with nccl-tests' definitions (algbw = bytes / time; busbw = algbw x 2(n-1)/n,
+n = world size), and the per-phase times, and writes everything to JSON.
+
+Each iteration starts after a barrier and its time is the slowest rank's, so
+a fast rank cannot hide a slow one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybrid.topology import Layout
+
+__all__ = ["BenchOptions", "main", "parse_size", "run_bench"]
+
+ALGORITHM_CHOICES = ("flat", "hierarchical", "sharded", "torch")
+DTYPE_CHOICES = ("float32", "float64", "bfloat16", "float16")
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """``'25M'`` -> 26214400 bytes (binary units K, M, G; an optional trailing B)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:I?B)?\s*", text.upper())
+    if not match:
+        raise ValueError(f"size {text!r} is not understood: use bytes or K/M/G units, e.g. 1M,25M")
+    nbytes = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if nbytes <= 0:
+        raise ValueError(f"size {text!r} must be at least 1 byte")
+    return nbytes
+
+
+@dataclass
+class BenchOptions:
+    layout: str = "2x2"
+    sizes: list[int] = field(default_factory=lambda: [2**20, 25 * 2**20])
+    algorithms: list[str] = field(default_factory=lambda: list(ALGORITHM_CHOICES))
+    iters: int = 10
+    warmup: int = 2
+    dtype: str = "float32"
+    intra_backend: str = "auto"
+    inter_backend: str = "auto"
+    timeout_s: float = 300.0
+
+
+def _time_one(fn: Any, tensor: Any, opts: BenchOptions, counters: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(opts.warmup):
+        tensor.fill_(1)
+        fn(tensor)
+    if counters is not None:
+        counters.reset()
+    times = []
+    for _ in range(opts.iters):
+        tensor.fill_(1)
+        dist.barrier()
+        start = time.perf_counter()
+        fn(tensor)
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    phases: dict[str, float] = {}
+    if counters is not None:
+        snap = counters.snapshot()
+        names = sorted(snap)
+        per_phase = torch.tensor([snap[n].seconds / opts.iters for n in names], dtype=torch.float64)
+        dist.all_reduce(per_phase, op=dist.ReduceOp.MAX)
+        phases = {n: float(s) for n, s in zip(names, per_phase) if snap[n].calls or s > 0}
+    return {"times_s": slowest.tolist(), "median_s": statistics.median(slowest.tolist()), "phases_s": phases}
+
+
+def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
+    """Run on every rank (already inside a torchrun / launch_local job); rank 0 returns the results."""
+    import torch
+    import torch.distributed as dist
+
+    from hybrid.comm import CommGroups, PhaseCounters, make_communicator
+    from hybrid.distributed import init_distributed, shutdown_distributed
+    from hybrid.topology import discover_topology
+
+    env = init_distributed(opts.timeout_s)
+    try:
+        topo = discover_topology(env)
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        groups = CommGroups.build(topo, opts.intra_backend, opts.inter_backend, opts.timeout_s)
+        device = torch.device("cuda", torch.cuda.current_device()) if groups.intra_backend == "nccl" else torch.device("cpu")
+        dtype = getattr(torch, opts.dtype)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        rows = []
+        for size in opts.sizes:
+            tensor = torch.empty(max(1, size // itemsize), dtype=dtype, device=device)
+            for alg in opts.algorithms:
+                counters = None
+                if alg == "torch":
+                    fn, runs_as = (lambda t: dist.all_reduce(t)), "torch"
+                else:
+                    counters = PhaseCounters()
+                    comm = make_communicator(alg, groups, counters)
+                    fn, runs_as = comm.all_reduce_mean_, comm.name
+                timing = _time_one(fn, tensor, opts, counters)
+                nbytes = tensor.nbytes
+                algbw = nbytes / timing["median_s"] / 1e9
+                world = topo.world_size
+                busbw = algbw * 2 * (world - 1) / world if world > 1 else 0.0
+                rows.append({"bytes": nbytes, "algorithm": alg, "runs_as": runs_as,
+                             "algbw_GBps": algbw, "busbw_GBps": busbw, **timing})
+        if env.rank != 0:
+            return None
+        return {
+            "layout": str(topo.layout), "node_sizes": list(topo.node_sizes),
+            "world_size": topo.world_size, "intra_backend": groups.intra_backend,
+            "inter_backend": groups.inter_backend, "dtype": opts.dtype, "device": str(device),
+            "torch": torch.__version__, "host": platform.node(), "options": asdict(opts), "results": rows,
+        }
+    finally:
+        shutdown_distributed()
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = (f"layout {report['layout']} (world {report['world_size']}), {report['dtype']} on "
+            f"{report['device']}, intra={report['intra_backend']} inter={report['inter_backend']}")
+    cols = f"{'size':>10} {'algorithm':>13} {'time ms':>9} {'algbw GB/s':>10} {'busbw GB/s':>10}  phases ms"
+    lines = [head, cols]
+    for row in report["results"]:
+        phases = " ".join(f"{k}={v * 1e3:.2f}" for k, v in row["phases_s"].items())
+        name = row["algorithm"] if row["runs_as"] == row["algorithm"] else f"{row['algorithm']}->{row['runs_as']}"
+        lines.append(f"{_human(row['bytes']):>10} {name:>13} {row['median_s'] * 1e3:9.2f} "
+                     f"{row['algbw_GBps']:10.3f} {row['busbw_GBps']:10.3f}  {phases}")
+    return "\n".join(lines)
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g}{unit}"
+    return f"{nbytes}B"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hybrid.bench",
+        description="Time flat / hierarchical / sharded all-reduce against torch.distributed.all_reduce.",
+        epilog="Under torchrun the job's own layout is used and --layout must match it (or be omitted).",
+    )
+    p.add_argument("--layout", default=None, help="NNODESxNPROC (e.g. 2x4) or uneven node sizes (e.g. 3,1); default 2x2")
+    p.add_argument("--sizes", default="1M,25M", help="comma-separated message sizes, bytes or K/M/G (default 1M,25M)")
+    p.add_argument("--algorithms", default=",".join(ALGORITHM_CHOICES),
+                   help=f"comma-separated subset of {','.join(ALGORITHM_CHOICES)} (default: all)")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations per size and algorithm (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="element type (default float32)")
+    p.add_argument("--intra-backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--inter-backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails (default 300)")
+    p.add_argument("--output", default="bench.json", help="JSON results file (default bench.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    return p
+
+
+def _options(args: argparse.Namespace, p: argparse.ArgumentParser) -> BenchOptions:
+    try:
+        layout = str(Layout.parse(args.layout or "2x2"))
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError as exc:
+        p.error(str(exc))
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    bad = [a for a in algorithms if a not in ALGORITHM_CHOICES]
+    if bad or not algorithms:
+        p.error(f"--algorithms {args.algorithms!r}: allowed are {', '.join(ALGORITHM_CHOICES)}")
+    if not sizes:
+        p.error("--sizes is empty: give at least one size, e.g. 1M")
+    if args.iters < 1 or args.warmup < 0:
+        p.error(f"--iters {args.iters} must be >= 1 and --warmup {args.warmup} >= 0")
+    if args.timeout <= 0:
+        p.error(f"--timeout {args.timeout} must be > 0 seconds")
+    return BenchOptions(layout, sizes, algorithms, args.iters, args.warmup, args.dtype,
+                        args.intra_backend, args.inter_backend, args.timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    opts = _options(args, p)
+    output = Path(args.output)
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
+    rank0 = not under_torchrun or os.environ.get("RANK") == "0"
+    if rank0 and output.exists() and not args.overwrite:
+        p.error(f"--output {output} exists: pass --overwrite or choose another path")
+    if under_torchrun:
+        if args.layout is not None:
+            from hybrid.topology import WorkerEnv, check_world_size
+            check_world_size(Layout.parse(args.layout), WorkerEnv.from_env().world_size)
+        report = run_bench(opts)
+    else:
+        from hybrid import bench as importable  # not __main__: workers must import it by name
+        from hybrid.launch import launch_local
+
+        layout = Layout.parse(opts.layout)
+        # Generous: start-up plus every collective's own timeout bounds it anyway.
+        budget = opts.timeout_s + 120 + 10 * len(opts.sizes) * len(opts.algorithms) * (opts.iters + opts.warmup)
+        report = launch_local(layout, importable.run_bench, (opts,), timeout_s=budget)[0]
+    if report is not None:
+        print(format_table(report))
+        tmp = output.with_name(output.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        tmp.replace(output)
+        print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

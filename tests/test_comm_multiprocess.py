@@ -1,0 +1,118 @@
+"""The communicators and the DDP hook on real multi-process jobs (gloo, CPU).
+
+Every layout is launched once through hybrid.launch (one torch elastic agent
+per simulated node, c10d rendezvous) and runs all its cases inside that job;
+the tests below assert on what the ranks returned.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import workers
+from hybrid.launch import launch_local
+from hybrid.topology import Layout
+
+PARITY = {"steps": 10, "width": 64, "depth": 10, "bucket_cap_mb": 0.01}
+LONG = {"steps": 200, "width": 32, "depth": 8, "bucket_cap_mb": 0.004}
+
+PLANS: dict[str, tuple[list[str], dict]] = {
+    "1x1": (["collectives", "counters"], {}),
+    "1x4": (["collectives", "counters"], {}),
+    "2x2": (
+        ["collectives", "counters", "bad_layout", "ddp", "ddp_long", "timeout"],
+        {"ddp": PARITY, "ddp_long": {**LONG, "comms": ["flat", "hierarchical", "sharded"]},
+         "timeout": {"comm_timeout_s": 2.0}},
+    ),
+    "4x2": (["collectives", "counters", "ddp_long"], {"ddp_long": {**LONG, "comms": ["sharded"]}}),
+    "2x3": (["collectives", "counters", "ddp"], {"ddp": PARITY}),
+    "3x1": (["collectives", "counters"], {}),
+    "3,1": (["collectives", "counters", "ddp"], {"ddp": PARITY}),
+    "2,1,1": (["collectives", "counters"], {}),
+}
+
+
+@functools.cache
+def job(layout: str) -> list[dict]:
+    cases, params = PLANS[layout]
+    return launch_local(Layout.parse(layout), workers.run_cases, (cases, params), timeout_s=270)
+
+
+@pytest.mark.parametrize("layout", list(PLANS))
+def test_every_algorithm_matches_torch_flat_allreduce(layout):
+    """Sizes 0, 1, 7, 2^20+3 in fp32/fp64/bf16/fp16: bit-exact for integer-valued fp32/fp64,
+    within the summation error bound for bf16/fp16, identical bits on every rank,
+    and no fp16 overflow where the mean is representable."""
+    results = job(layout)
+    declared = Layout.parse(layout)
+    assert len(results) == declared.world_size
+    # The rendezvous numbers the nodes; the multiset of node sizes is what was asked for.
+    assert all(sorted(r["node_sizes"]) == sorted(declared.node_sizes) for r in results)
+    failures = [f for r in results for f in r["collectives"]["failures"]]
+    assert failures == []
+
+
+@pytest.mark.parametrize("layout", ["3,1", "2,1,1"])
+def test_sharded_on_uneven_nodes_falls_back_to_hierarchical(layout):
+    assert all(r["collectives"]["runs_as"]["sharded"] == "hierarchical" for r in job(layout))
+
+
+@pytest.mark.parametrize("layout", ["2x2", "4x2", "2x3"])
+def test_sharded_runs_as_itself_on_equal_nodes(layout):
+    assert all(r["collectives"]["runs_as"]["sharded"] == "sharded" for r in job(layout))
+
+
+@pytest.mark.parametrize("layout", list(PLANS))
+def test_phase_counters_report_time_and_schedule_bytes(layout):
+    assert [f for r in job(layout) for f in r["counters"]] == []
+
+
+@pytest.mark.parametrize("layout", ["2x2", "2x3", "3,1"])
+def test_ddp_hook_matches_plain_ddp_and_keeps_replicas_identical(layout):
+    """10 SGD steps (each with a no_sync micro-batch and an unused branch), >= 8 buckets."""
+    for rank_result in job(layout):
+        ddp = rank_result["ddp"]
+        assert ddp["ddp"]["identical_across_ranks"]
+        for comm in ("flat", "hierarchical", "sharded"):
+            run = ddp[comm]
+            assert run["buckets"] >= 8, run
+            assert run["identical_across_ranks"], comm
+            assert run["matches_ddp"] == "yes", (comm, run["matches_ddp"])
+            assert run["moved"] > 1e-3  # training actually changed the parameters
+
+
+def test_ddp_hook_overlaps_communication_with_backward():
+    """Some bucket is already being reduced while backward still produces the last one."""
+    for rank_result in job("2x2"):
+        for comm in ("flat", "hierarchical", "sharded"):
+            assert rank_result["ddp_long"][comm]["overlapped_steps"] > 0, comm
+
+
+@pytest.mark.parametrize("layout", ["2x2", "4x2"])
+def test_200_steps_with_many_buckets_finish(layout):
+    for rank_result in job(layout):
+        for comm, run in rank_result["ddp_long"].items():
+            assert run["buckets"] >= 8, (comm, run)
+            assert run["identical_across_ranks"], comm
+
+
+def test_bad_layout_error_names_both_numbers():
+    for rank_result in job("2x2"):
+        assert rank_result["bad_layout"] == "nnodes (3) x nproc_per_node (2) = 6 != WORLD_SIZE (4)"
+
+
+def test_failing_collective_raises_within_timeout():
+    """The last rank never joins; every other rank gets a CommError naming the
+    algorithm, phase and rank within the per-collective timeout (2 s) for the
+    phase it waits in, plus at most the timeout of the phase before it."""
+    timeout_s = PLANS["2x2"][1]["timeout"]["comm_timeout_s"]
+    results = job("2x2")
+    assert results[-1]["timeout"] == {}
+    for rank_result in results[:-1]:
+        for alg, outcome in rank_result["timeout"].items():
+            assert outcome["raised"], (alg, rank_result["rank"])
+            assert outcome["elapsed"] < 2 * timeout_s + 5, outcome
+            assert outcome["message"].startswith(f"{alg} "), outcome
+            assert f"on rank {rank_result['rank']} " in outcome["message"]

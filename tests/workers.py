@@ -1,0 +1,286 @@
+"""Code that runs on every rank of a ``launch_local`` job in the tests.
+
+One job per layout runs several named cases (starting workers costs seconds
+each on this machine, so a layout is launched once). Every case returns plain
+data: lists of failure descriptions, digests, numbers. The tests assert on it.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hybrid.comm import (
+    ALGORITHMS,
+    CommError,
+    CommGroups,
+    PhaseCounters,
+    make_communicator,
+    register_comm_hook,
+)
+from hybrid.comm.counters import allreduce_bytes, rooted_bytes
+from hybrid.distributed import init_distributed, shutdown_distributed
+from hybrid.topology import Layout, Topology, discover_topology
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+SIZES = (0, 1, 7, 2**20 + 3)
+
+
+def digest(tensors: list[torch.Tensor] | torch.Tensor) -> str:
+    """sha256 of the exact bits, so equality means bit-identical."""
+    h = hashlib.sha256()
+    for t in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def same_on_all_ranks(value: Any) -> bool:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return all(v == gathered[0] for v in gathered)
+
+
+def flat_reference(x: torch.Tensor) -> torch.Tensor:
+    """torch's own flat all-reduce (sum) over the default group, then / world."""
+    ref = x.clone()
+    dist.all_reduce(ref)
+    return ref.div_(dist.get_world_size())
+
+
+def lowp_atol(dtype: torch.dtype, world: int, max_abs: float) -> float:
+    # Recursive summation of `world` terms rounds at most `world` times, each
+    # by eps * (partial sum) <= eps * max|x| after pre-division.
+    return (world + 1) * torch.finfo(dtype).eps * max(max_abs, 1.0)
+
+
+def case_collectives(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
+    failures: list[str] = []
+    runs_as: dict[str, str] = {}
+    digests: list[str] = []
+    world = topo.world_size
+    for alg in ALGORITHMS:
+        comm = make_communicator(alg, groups)
+        runs_as[alg] = comm.name
+        for dtype in DTYPES:
+            for size in params.get("sizes", SIZES):
+                tag = f"{alg}/{str(dtype)[6:]}/n={size}"
+                gen = torch.Generator().manual_seed(7919 * topo.rank + size)
+                hi = 16 if dtype == torch.bfloat16 else 20
+                integers = torch.randint(-hi, hi + 1, (size,), generator=gen).to(dtype)
+                normal = torch.randn(size, generator=gen, dtype=torch.float64).to(dtype)
+                for kind, x in (("int", integers), ("normal", normal)):
+                    ref = flat_reference(x)
+                    got = comm.all_reduce_mean_(x.clone())
+                    digests.append(digest(got))
+                    try:
+                        if dtype in (torch.float32, torch.float64) and kind == "int":
+                            assert torch.equal(got, ref), "not bit-identical to flat all-reduce"
+                        elif dtype in (torch.float32, torch.float64):
+                            torch.testing.assert_close(got, ref)
+                        else:
+                            # The bound depends on the largest input on *any* rank.
+                            max_abs = x.abs().max().double() if size else torch.zeros((), dtype=torch.float64)
+                            dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
+                            torch.testing.assert_close(
+                                got.double(), ref.double(), rtol=0,
+                                atol=lowp_atol(dtype, world, float(max_abs)),
+                            )
+                    except AssertionError as exc:
+                        failures.append(f"{tag}/{kind} rank {topo.rank}: {str(exc)[:300]}")
+        # Non-contiguous input is averaged in place too.
+        x = torch.arange(24, dtype=torch.float32).reshape(6, 4).t() * (topo.rank + 1)
+        ref = flat_reference(x.contiguous())
+        got = comm.all_reduce_mean_(x)
+        if got is not x or not torch.equal(x, ref):
+            failures.append(f"{alg}/non-contiguous rank {topo.rank}: wrong result or not in place")
+        # fp16 where a plain summing all-reduce overflows: the mean must not.
+        if world > 1:
+            big = torch.full((5,), 40000.0, dtype=torch.float16)
+            plain = big.clone()
+            dist.all_reduce(plain)
+            got = comm.all_reduce_mean_(big.clone())
+            if not torch.isinf(plain).all():
+                failures.append("fp16 overflow probe: plain sum unexpectedly finite")
+            if not torch.isfinite(got).all() or (got.double() - 40000).abs().max() > lowp_atol(
+                torch.float16, world, 40000
+            ):
+                failures.append(f"{alg}/fp16 overflow rank {topo.rank}: got {got.tolist()}")
+    if not same_on_all_ranks(digests):
+        failures.append(f"rank {topo.rank}: results differ between ranks")
+    return {"failures": failures, "runs_as": runs_as}
+
+
+def case_counters(topo: Topology, groups: CommGroups, params: dict) -> list[str]:
+    """Each phase reports the time and the bytes this rank sent, per the schedule."""
+    failures: list[str] = []
+    numel = 1000
+    nbytes = numel * 4
+    local, nnodes, world = topo.local_world_size, topo.nnodes, topo.world_size
+    for alg in ALGORITHMS:
+        counters = PhaseCounters()
+        comm = make_communicator(alg, groups, counters)
+        comm.all_reduce_mean_(torch.ones(numel))
+        snap = counters.snapshot(reset=True)
+        if comm.name == "flat":
+            expected = {"flat_allreduce": allreduce_bytes(nbytes, world)}
+        elif comm.name == "hierarchical":
+            expected = {
+                "intra_reduce": rooted_bytes(nbytes, local),
+                "inter_allreduce": allreduce_bytes(nbytes, nnodes) if topo.is_leader else 0,
+                "intra_broadcast": rooted_bytes(nbytes, local),
+            }
+        else:
+            shard = torch.tensor_split(torch.ones(numel), local)[topo.local_rank].nbytes
+            expected = {
+                "intra_reduce": rooted_bytes(nbytes, local),
+                "inter_allreduce": allreduce_bytes(shard, nnodes),
+                "intra_broadcast": rooted_bytes(nbytes, local),
+            }
+        for phase, stats in snap.items():
+            want = expected.get(phase, 0)
+            if stats.bytes != want:
+                failures.append(f"{alg} {phase} rank {topo.rank}: bytes {stats.bytes} != {want}")
+            if stats.calls and stats.seconds <= 0:
+                failures.append(f"{alg} {phase} rank {topo.rank}: no time recorded")
+        if any(s.calls for s in counters.snapshot().values()):
+            failures.append(f"{alg}: snapshot(reset=True) did not reset")
+    return failures
+
+
+class Net(nn.Module):
+    """An MLP with a branch that forward never uses (DDP's find_unused_parameters path)."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            *[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())]
+        )
+        self.head = nn.Linear(width, 4)
+        self.unused = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def train_ddp(
+    comm_name: str, groups: CommGroups, base: nn.Module, steps: int, width: int,
+    bucket_cap_mb: float, seed: int,
+) -> dict[str, Any]:
+    """SGD on rank-specific data; each step accumulates a no_sync micro-batch."""
+    model = DDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb, find_unused_parameters=True)
+    state = None
+    if comm_name != "ddp":
+        state = register_comm_hook(model, make_communicator(comm_name, groups))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(seed + 1000 * dist.get_rank())
+    overlapped = 0
+    for _ in range(steps):
+        x = torch.randn(16, width, generator=gen)
+        y = torch.randint(0, 4, (16,), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        with model.no_sync():
+            nn.functional.cross_entropy(model(x[:8]), y[:8]).backward()
+        nn.functional.cross_entropy(model(x[8:]), y[8:]).backward()
+        opt.step()
+        if state is not None:
+            step = list(state.traces)[-state.buckets_per_step:]
+            last_submit = step[-1].submitted
+            # Overlap: an earlier bucket was already on the wire while backward
+            # was still producing the last one.
+            if any(t.started and t.started < last_submit for t in step[:-1]):
+                overlapped += 1
+    buckets = state.buckets_per_step if state else None
+    if state is not None:
+        state.close()
+    params = [p.detach().clone() for p in model.module.parameters()]
+    return {"params": params, "buckets": buckets, "overlapped_steps": overlapped}
+
+
+def case_ddp(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
+    steps, width, depth = params.get("steps", 10), params.get("width", 64), params.get("depth", 10)
+    cap = params.get("bucket_cap_mb", 0.01)
+    torch.manual_seed(0)
+    base = Net(width, depth)
+    comms = params.get("comms", ["ddp", *ALGORITHMS])
+    runs = {name: train_ddp(name, groups, base, steps, width, cap, seed=1) for name in comms}
+    out: dict[str, Any] = {}
+    for name, run in runs.items():
+        result = {
+            "buckets": run["buckets"],
+            "overlapped_steps": run["overlapped_steps"],
+            "identical_across_ranks": same_on_all_ranks(digest(run["params"])),
+        }
+        if "ddp" in runs and name != "ddp":
+            try:
+                for got, ref in zip(run["params"], runs["ddp"]["params"]):
+                    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+                result["matches_ddp"] = "yes"
+            except AssertionError as exc:
+                result["matches_ddp"] = str(exc)[:400]
+            moved = max((p - q).abs().max().item() for p, q in zip(run["params"], base.parameters()))
+            result["moved"] = moved
+        out[name] = result
+    return out
+
+
+def case_bad_layout(topo: Topology, groups: CommGroups, params: dict) -> str:
+    nnodes, nproc = params.get("declared", (3, 2))
+    try:
+        discover_topology(expected=Layout.uniform(nnodes, nproc))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def case_timeout(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
+    """The last rank never joins; everyone else must get an error, not a hang.
+
+    Runs last in a job: it leaves the groups it broke behind.
+    """
+    timeout_s = params.get("comm_timeout_s", 2.0)
+    silent = topo.world_size - 1
+    out: dict[str, Any] = {}
+    for alg in ALGORITHMS:
+        fresh = CommGroups.build(topo, timeout_s=timeout_s)
+        comm = make_communicator(alg, fresh)
+        if topo.rank != silent:
+            start = time.monotonic()
+            try:
+                comm.all_reduce_mean_(torch.ones(1000))
+                out[alg] = {"raised": False}
+            except CommError as exc:
+                out[alg] = {"raised": True, "elapsed": time.monotonic() - start, "message": str(exc)}
+        dist.barrier()  # default group: meets again once the others have given up
+    return out
+
+
+CASES: dict[str, Callable[[Topology, CommGroups, dict], Any]] = {
+    "collectives": case_collectives,
+    "counters": case_counters,
+    "ddp": case_ddp,
+    "ddp_long": case_ddp,
+    "bad_layout": case_bad_layout,
+    "timeout": case_timeout,
+}
+
+
+def run_cases(cases: list[str], params: dict[str, dict]) -> dict[str, Any]:
+    """Entry point of every test job: set up once, run the named cases in order."""
+    env = init_distributed(timeout_s=120)
+    try:
+        topo = discover_topology(env)
+        torch.set_num_threads(1)
+        groups = CommGroups.build(topo, timeout_s=120)
+        out: dict[str, Any] = {"rank": env.rank, "node_sizes": topo.node_sizes}
+        for name in cases:
+            out[name] = CASES[name](topo, groups, params.get(name, {}))
+        return out
+    finally:
+        shutdown_distributed()
