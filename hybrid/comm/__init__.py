@@ -18,17 +18,20 @@ from hybrid.comm.factory import ALGORITHMS, make_communicator
 from hybrid.comm.flat import FlatCommunicator
 from hybrid.comm.groups import BACKENDS, CommGroups
 from hybrid.comm.hierarchical import HierarchicalCommunicator
+from hybrid.comm.settings import COMM_CHOICES, CommSettings
 from hybrid.comm.sharded import ShardedCommunicator
 
 __all__ = [
     "ALGORITHMS",
     "BACKENDS",
+    "COMM_CHOICES",
     "LOW_PRECISION",
     "PHASES",
     "SUPPORTED_DTYPES",
     "CommError",
     "CommGroups",
     "CommHookState",
+    "CommSettings",
     "Communicator",
     "FlatCommunicator",
     "HierarchicalCommunicator",

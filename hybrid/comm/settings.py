@@ -1,0 +1,34 @@
+"""Plain, validated communicator settings: what the Hydra ``comm`` group turns into at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybrid.comm.factory import ALGORITHMS
+from hybrid.comm.groups import BACKENDS
+
+__all__ = ["COMM_CHOICES", "CommSettings"]
+
+# "ddp" is torch DDP's own all-reduce (no hook): the reference every algorithm is checked against.
+COMM_CHOICES = (*ALGORITHMS, "ddp")
+
+
+@dataclass(frozen=True)
+class CommSettings:
+    algorithm: str = "hierarchical"
+    bucket_mb: float = 25.0
+    intra_backend: str = "auto"
+    inter_backend: str = "auto"
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in COMM_CHOICES:
+            raise ValueError(f"comm algorithm {self.algorithm!r} is not one of {', '.join(COMM_CHOICES)}")
+        for level in ("intra", "inter"):
+            value = getattr(self, f"{level}_backend")
+            if value not in BACKENDS:
+                raise ValueError(f"comm.{level}_backend={value!r} is not one of {', '.join(BACKENDS)}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"comm.bucket_mb={self.bucket_mb} must be > 0 (MiB per DDP bucket)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"comm.timeout_s={self.timeout_s} must be > 0 seconds")

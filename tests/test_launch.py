@@ -1,0 +1,58 @@
+"""hybrid.launch: torchrun's environment per rank, errors surfaced, hung jobs stopped."""
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+import launch_targets
+from hybrid.launch import LaunchError, launch_local
+from hybrid.topology import Layout
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if f"HYBRID_TEST_MARKER={marker}".encode() in (proc / "environ").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_uneven_layout_gets_honest_torchrun_environment():
+    envs = launch_local(Layout.parse("2,1"), launch_targets.report_env, timeout_s=120)
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"3"}
+    by_node: dict[str, list[dict]] = {}
+    for e in envs:
+        by_node.setdefault(e["GROUP_RANK"], []).append(e)
+    assert sorted(len(v) for v in by_node.values()) == [1, 2]
+    for members in by_node.values():
+        assert sorted(m["LOCAL_RANK"] for m in members) == [str(i) for i in range(len(members))]
+        assert {m["LOCAL_WORLD_SIZE"] for m in members} == {str(len(members))}
+    assert {e["GLOO_SOCKET_IFNAME"] for e in envs} == {"lo"}
+
+
+def test_worker_exception_is_surfaced_with_its_message():
+    with pytest.raises(LaunchError, match="boom-42"):
+        launch_local(Layout.parse("1x2"), launch_targets.fail_on_rank_one, timeout_s=120)
+
+
+def test_hung_job_is_stopped_at_the_deadline_and_leaves_no_process():
+    marker = uuid.uuid4().hex
+    with pytest.raises(LaunchError, match="did not finish within timeout_s=20"):
+        launch_local(
+            Layout.parse("2x1"), launch_targets.block_forever, timeout_s=20,
+            env={"HYBRID_TEST_MARKER": marker},
+        )
+    assert processes_with_marker(marker) == []
+
+
+def test_bad_timeout_is_rejected():
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        launch_local(Layout.parse("1x1"), launch_targets.report_env, timeout_s=0)
