@@ -169,7 +169,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--intra-backend", default="auto", choices=("auto", "gloo", "nccl"))
     p.add_argument("--inter-backend", default="auto", choices=("auto", "gloo", "nccl"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails (default 300)")
-    p.add_argument("--output", default="bench.json", help="JSON results file (default bench.json)")
+    p.add_argument("--output", default=None,
+                   help="JSON results file (default: outputs/bench/<layout>-<date>-<time>.json, a new file each run)")
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     return p
 
@@ -194,11 +195,16 @@ def _options(args: argparse.Namespace, p: argparse.ArgumentParser) -> BenchOptio
                         args.intra_backend, args.inter_backend, args.timeout)
 
 
+def _default_output(layout: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("outputs") / "bench" / f"{layout.replace(',', '-')}-{stamp}.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     opts = _options(args, p)
-    output = Path(args.output)
+    output = Path(args.output) if args.output else _default_output(opts.layout)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
     rank0 = not under_torchrun or os.environ.get("RANK") == "0"
     if rank0 and output.exists() and not args.overwrite:
@@ -218,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         report = launch_local(layout, importable.run_bench, (opts,), timeout_s=budget)[0]
     if report is not None:
         print(format_table(report))
+        output.parent.mkdir(parents=True, exist_ok=True)
         tmp = output.with_name(output.name + ".tmp")
         tmp.write_text(json.dumps(report, indent=2))
         tmp.replace(output)

@@ -60,10 +60,12 @@ def test_existing_output_is_not_overwritten(tmp_path):
     assert target.read_text() == "precious"
 
 
-def test_small_run_prints_table_and_writes_json(tmp_path):
-    target = tmp_path / "b.json"
-    out = bench("--layout", "2x1", "--sizes", "4K,64K", "--iters", "3", "--warmup", "1", "--output", str(target))
+def test_small_run_prints_table_and_writes_a_new_json_file(tmp_path):
+    out = bench("--layout", "2x1", "--sizes", "4K,64K", "--iters", "3", "--warmup", "1", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
+    written = list((tmp_path / "outputs" / "bench").glob("2x1-*.json"))
+    assert len(written) == 1 and f"wrote {written[0].relative_to(tmp_path)}" in out.stdout
+    target = written[0]
     assert "busbw GB/s" in out.stdout and "hierarchical" in out.stdout
     report = json.loads(target.read_text())
     assert report["world_size"] == 2 and sorted(report["node_sizes"]) == [1, 1]

@@ -26,7 +26,10 @@ PLANS: dict[str, tuple[list[str], dict]] = {
         {"ddp": PARITY, "ddp_long": {**LONG, "comms": ["flat", "hierarchical", "sharded"]},
          "timeout": {"comm_timeout_s": 2.0}},
     ),
-    "4x2": (["collectives", "counters", "ddp_long"], {"ddp_long": {**LONG, "comms": ["sharded"]}}),
+    "4x2": (
+        ["collectives", "counters", "ddp_long"],
+        {"ddp_long": {**LONG, "comms": ["hierarchical", "sharded"]}},
+    ),
     "2x3": (["collectives", "counters", "ddp"], {"ddp": PARITY}),
     "3x1": (["collectives", "counters"], {}),
     "3,1": (["collectives", "counters", "ddp"], {"ddp": PARITY}),
