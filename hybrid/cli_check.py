@@ -1,0 +1,71 @@
+"""Turn bad command-line input into one line, before Hydra starts writing anything.
+
+Hydra reports composition and type errors over several lines with a stack
+trace hint, and only after creating the run directory. :func:`precheck`
+composes the same config with Hydra's compose API first and returns a single
+line naming the bad key or value and what is allowed (or ``None`` if all is
+well), so ``main`` can exit 2 with nothing written.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+__all__ = ["precheck"]
+
+
+def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    task, hydra_overrides = [], {}
+    for arg in argv:
+        key = arg.split("=", 1)[0]
+        if key.startswith(("hydra.", "hydra/")) or key == "hydra":
+            hydra_overrides[key] = arg.split("=", 1)[1] if "=" in arg else ""
+        else:
+            task.append(arg)
+    return task, hydra_overrides
+
+
+def _one_line(exc: BaseException, conf_dir: Path) -> str:
+    text = str(exc)
+    missing = re.search(r"Could not find '([\w/]+)/([^']+)'", text)
+    if missing:
+        group, choice = missing.groups()
+        options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+        return f"{group}={choice!r} is not one of {', '.join(options)}"
+    cause = exc.__cause__ or exc
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        msg = getattr(cause, "msg", str(cause)).strip().splitlines()[0]
+        return f"{cause.full_key}: {msg}"
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return " ".join(lines[:2]) if lines else type(exc).__name__
+
+
+def precheck(argv: list[str], conf_dir: Path | None = None) -> str | None:
+    """Compose, type-check and validate the config of ``argv``; return an error line or None."""
+    from hybrid.config import validate
+    from hybrid.train import CONF_DIR, check_run_dir, check_torchrun_layout, prepare, under_torchrun
+
+    conf_dir = conf_dir or CONF_DIR
+    if any(arg.startswith("-") for arg in argv):
+        return None  # --help, --cfg, -m ...: Hydra's own modes
+    task, hydra_overrides = _split(argv)
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=task)
+        settings = validate(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
+        if under_torchrun():
+            check_torchrun_layout(settings, task)
+        if "hydra.run.dir" in hydra_overrides:
+            check_run_dir(Path(hydra_overrides["hydra.run.dir"]), settings.trainer.resume)
+        prepare(settings)
+    except (HydraException, OmegaConfBaseException) as exc:
+        return _one_line(exc, conf_dir)
+    except ValueError as exc:
+        return str(exc).strip().splitlines()[0]
+    return None

@@ -1,0 +1,185 @@
+"""Typed settings of a training run.
+
+These dataclasses are the schema Hydra validates every config and override
+against (registered in :mod:`hybrid.train`), and, once composed, the plain
+objects (``OmegaConf.to_object``) the trainer receives: no DictConfig crosses
+into the training code, and this module does not import Hydra.
+
+:func:`validate` adds the checks a type cannot express (ranges, choices,
+files that must exist), each failing with one line that names the key, the
+bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybrid.comm.settings import COMM_CHOICES, CommSettings
+from hybrid.topology import Layout
+
+__all__ = [
+    "ClusterConfig",
+    "CommConfig",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "resume_target",
+    "validate",
+]
+
+MODELS = ("mlp", "cnn", "transformer")
+DATASETS = ("synthetic", "files")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("cosine", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ClusterConfig:
+    nnodes: int = 2
+    nproc_per_node: int = 2
+    launch_timeout_s: float = 3600.0  # whole-job deadline of a local launch
+
+
+@dataclass
+class CommConfig:
+    algorithm: str = "hierarchical"
+    bucket_mb: float = 25.0
+    intra_backend: str = "auto"
+    inter_backend: str = "auto"
+    timeout_s: float = 300.0
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mlp"
+    width: int = 256  # hidden size (MLP, CNN head), d_model (transformer)
+    depth: int = 4  # hidden layers (MLP), conv blocks (CNN), transformer blocks
+    channels: int = 16  # CNN: channels of the first conv block
+    heads: int = 4  # transformer attention heads
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"
+    root: str = "data"  # where synthetic datasets are generated once and reused
+    inputs: str = ""  # name=files: a .npy or .pt file of inputs (.pt may hold both)
+    targets: str = ""  # name=files: a .npy or .pt file of targets
+    num_samples: int = 8192
+    features: int = 64  # MLP input size
+    classes: int = 10
+    image_size: int = 16  # CNN inputs are 1 x image_size x image_size
+    vocab_size: int = 256  # transformer
+    seq_len: int = 64  # transformer
+    batch_size: int = 32  # per worker, per micro-step
+    num_workers: int = 0  # DataLoader worker processes per rank
+    seed: int = 1234  # synthetic data generation
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 50
+    seed: int = 0
+    grad_accum_steps: int = 1
+    checkpoint_every: int = 0  # 0: only at the end
+    resume: Any = False  # false | true (this run dir) | path of an earlier run dir
+    stop_after: int = 0  # >0: stop after this many steps of this invocation (checkpointed; resume later)
+    log_every: int = 10
+    device: str = "auto"
+    num_threads: int = 0  # 0: share the machine's cores among its workers
+
+
+@dataclass
+class TrainConfig:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.uniform(self.cluster.nnodes, self.cluster.nproc_per_node)
+
+    def comm_settings(self) -> CommSettings:
+        c = self.comm
+        return CommSettings(c.algorithm, c.bucket_mb, c.intra_backend, c.inter_backend, c.timeout_s)
+
+
+def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+
+
+def _at_least(key: str, value: Any, low: float) -> None:
+    if not value >= low:
+        raise ValueError(f"{key}={value!r} must be >= {low:g}")
+
+
+def resume_target(value: Any, run_dir: Path) -> Path | None:
+    """``trainer.resume`` as a run directory: None (fresh), this run dir (true) or a given path."""
+    if value is None or value is False or str(value).lower() in ("false", "", "none", "no"):
+        return None
+    if value is True or str(value).lower() in ("true", "yes"):
+        return run_dir
+    return Path(str(value)).expanduser().resolve()
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Range and choice checks; raises ValueError with one line naming key, value and rule."""
+    _at_least("cluster.nnodes", cfg.cluster.nnodes, 1)
+    _at_least("cluster.nproc_per_node", cfg.cluster.nproc_per_node, 1)
+    _at_least("cluster.launch_timeout_s", cfg.cluster.launch_timeout_s, 1)
+    _one_of("comm.algorithm", cfg.comm.algorithm, COMM_CHOICES)
+    cfg.comm_settings()  # backends, bucket size, timeout
+    _one_of("model.name", cfg.model.name, MODELS)
+    for key in ("width", "depth", "channels", "heads"):
+        _at_least(f"model.{key}", getattr(cfg.model, key), 1)
+    if cfg.model.name == "transformer" and cfg.model.width % cfg.model.heads:
+        raise ValueError(
+            f"model.width={cfg.model.width} must be divisible by model.heads={cfg.model.heads}"
+        )
+    _one_of("data.name", cfg.data.name, DATASETS)
+    for key in ("num_samples", "features", "classes", "image_size", "vocab_size", "seq_len", "batch_size"):
+        _at_least(f"data.{key}", getattr(cfg.data, key), 1)
+    _at_least("data.num_workers", cfg.data.num_workers, 0)
+    if cfg.data.name == "files":
+        if not cfg.data.inputs:
+            raise ValueError("data.inputs is empty: data=files needs a .npy or .pt file of inputs")
+        for key in ("inputs", "targets"):
+            path = getattr(cfg.data, key)
+            if path and not Path(path).expanduser().is_file():
+                raise ValueError(f"data.{key}={path!r} does not exist or is not a file")
+    _one_of("optim.name", cfg.optim.name, OPTIMIZERS)
+    _one_of("optim.schedule", cfg.optim.schedule, SCHEDULES)
+    if not cfg.optim.lr > 0:
+        raise ValueError(f"optim.lr={cfg.optim.lr!r} must be > 0")
+    _at_least("optim.momentum", cfg.optim.momentum, 0)
+    _at_least("optim.weight_decay", cfg.optim.weight_decay, 0)
+    _at_least("optim.warmup_steps", cfg.optim.warmup_steps, 0)
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        raise ValueError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio!r} must be in [0, 1]")
+    _at_least("trainer.max_steps", cfg.trainer.max_steps, 1)
+    _at_least("trainer.grad_accum_steps", cfg.trainer.grad_accum_steps, 1)
+    _at_least("trainer.checkpoint_every", cfg.trainer.checkpoint_every, 0)
+    _at_least("trainer.stop_after", cfg.trainer.stop_after, 0)
+    _at_least("trainer.log_every", cfg.trainer.log_every, 1)
+    _at_least("trainer.num_threads", cfg.trainer.num_threads, 0)
+    _one_of("trainer.device", cfg.trainer.device, DEVICES)
+    return cfg

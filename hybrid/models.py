@@ -1,0 +1,86 @@
+"""A small model zoo whose gradient size is a config knob (width x depth).
+
+Parameter bytes (= gradient bytes per step) are roughly: MLP depth * width^2,
+CNN channels^2 * 9 * depth + head, transformer 12 * depth * width^2 +
+vocab * width. ``width=1024, depth=6`` MLP is ~25 MB of fp32 gradients;
+``width=4096, depth=6`` ~400 MB.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["CNN", "MLP", "TransformerLM", "build_model", "param_bytes"]
+
+
+class MLP(nn.Module):
+    def __init__(self, in_features: int, width: int, depth: int, classes: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(in_features, width), nn.ReLU()]
+        for _ in range(depth - 1):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        layers.append(nn.Linear(width, classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class CNN(nn.Module):
+    """Conv blocks (3x3 conv, ReLU; every second block halves the resolution) and a linear head."""
+
+    def __init__(self, in_channels: int, channels: int, depth: int, width: int, classes: int) -> None:
+        super().__init__()
+        blocks: list[nn.Module] = []
+        c_in = in_channels
+        for i in range(depth):
+            blocks += [nn.Conv2d(c_in, channels, 3, padding=1), nn.ReLU()]
+            if i % 2 == 1:
+                blocks.append(nn.MaxPool2d(2))
+            c_in = channels
+        self.features = nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Sequential(nn.Linear(channels, width), nn.ReLU(), nn.Linear(width, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class TransformerLM(nn.Module):
+    """A decoder-only language model (pre-norm blocks, causal mask, learned positions)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, width: int, depth: int, heads: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.pos = nn.Parameter(torch.zeros(1, seq_len, width))
+        layer = nn.TransformerEncoderLayer(
+            width, heads, dim_feedforward=4 * width, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size)
+        mask = nn.Transformer.generate_square_subsequent_mask(seq_len)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        h = self.embed(tokens) + self.pos[:, :length]
+        h = self.blocks(h, mask=self.mask[:length, :length], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def build_model(name: str, *, width: int, depth: int, channels: int, heads: int, input_shape: tuple[int, ...],
+                classes: int, vocab_size: int, seq_len: int) -> nn.Module:
+    """Build the named model for inputs of ``input_shape`` (one sample, without the batch dim)."""
+    if name == "mlp":
+        return MLP(input_shape[0], width, depth, classes)
+    if name == "cnn":
+        return CNN(input_shape[0], channels, depth, width, classes)
+    if name == "transformer":
+        return TransformerLM(vocab_size, max(seq_len, input_shape[0]), width, depth, heads)
+    raise ValueError(f"model.name={name!r} is not one of mlp, cnn, transformer")
+
+
+def param_bytes(model: nn.Module) -> int:
+    """Bytes of trainable parameters, i.e. of the gradients all-reduced per step."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

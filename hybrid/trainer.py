@@ -1,0 +1,249 @@
+"""The per-rank training loop: data -> device, forward, loss, backward (gradient sync), step.
+
+:func:`run_worker` runs on every rank, under torchrun or :mod:`hybrid.launch`.
+Each worker computes on its own mini-batches; the only collectives during
+training are the gradient all-reduces of the chosen ``comm`` (plain DDP's, or
+the hybrid communicator's through the DDP comm hook). Start-up (topology,
+resume) and the end of the run (parameter checksums) exchange a little over
+the default group; nothing else synchronises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hybrid.checkpoint import load_checkpoint, save_checkpoint
+from hybrid.comm import PHASES, CommGroups, PhaseCounters, make_communicator, register_comm_hook
+from hybrid.config import TrainConfig, resume_target
+from hybrid.data import KIND_OF_MODEL, ArrayDataset, BatchStream, DatasetSpec, check_arrays, ensure_synthetic, load_arrays
+from hybrid.distributed import init_distributed, shutdown_distributed
+from hybrid.metrics import Metrics, NullMetrics, TensorBoardMetrics, write_json_atomic
+from hybrid.models import build_model, param_bytes
+from hybrid.optim import build_optimizer, build_scheduler
+from hybrid.topology import Topology, discover_topology
+
+__all__ = ["load_dataset", "param_checksum", "run_worker", "train_on_rank"]
+
+
+# Our models' buffers are constants (e.g. the causal mask): syncing them every
+# forward would be a second, needless collective per step.
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+def param_checksum(model: nn.Module) -> str:
+    """sha256 over the exact bits of every parameter: equal strings mean bit-identical replicas."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
+    want = cfg.trainer.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def load_dataset(cfg: TrainConfig) -> ArrayDataset:
+    """The dataset of ``cfg`` (generating synthetic data on first use), checked against the model."""
+    d = cfg.data
+    if d.name == "synthetic":
+        spec = DatasetSpec(KIND_OF_MODEL[cfg.model.name], d.num_samples, d.features, d.classes,
+                           d.image_size, d.vocab_size, d.seq_len, d.seed)
+        inputs, targets = ensure_synthetic(Path(d.root), spec)
+        x, y = load_arrays(inputs, targets)
+        where = f"synthetic data {inputs.parent}"
+    else:
+        x, y = load_arrays(d.inputs, d.targets or None)
+        where = f"data.inputs={d.inputs!r}"
+    check_arrays(x, y, cfg.model.name, d.classes, d.vocab_size, where)
+    return ArrayDataset(x, y)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _broadcast_from_rank0(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int, where: Path) -> None:
+    saved_model, saved_world = state.get("model_config"), state.get("world_size")
+    if saved_model != asdict(cfg.model):
+        raise ValueError(f"trainer.resume={str(where)!r} holds model {saved_model}, this run has {asdict(cfg.model)}")
+    if saved_world != world:
+        raise ValueError(f"trainer.resume={str(where)!r} was written by world size {saved_world}, this run has {world}")
+
+
+def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
+    """Train on this rank; rank 0 returns the final metrics (also written to metrics.json)."""
+    env = init_distributed(cfg.comm.timeout_s)
+    metrics: Metrics = NullMetrics()
+    try:
+        # Under torchrun every rank has its own Hydra dir: rank 0's is the run's.
+        run_path = Path(_broadcast_from_rank0(run_dir))
+        topology = discover_topology(env)
+        device = _device(cfg, env.local_rank)
+        threads = cfg.trainer.num_threads or int(os.environ.get("OMP_NUM_THREADS", "0")) or max(
+            1, (os.cpu_count() or 1) // topology.local_world_size
+        )
+        torch.set_num_threads(threads)
+        if env.rank == 0:
+            metrics = TensorBoardMetrics(run_path / "tb")
+        return train_on_rank(cfg, topology, device, run_path, metrics, env.rank)
+    finally:
+        metrics.close()
+        shutdown_distributed()
+
+
+def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path,
+           metrics: Metrics, rank: int) -> dict[str, Any] | None:
+    dataset = load_dataset(cfg)
+    torch.manual_seed(cfg.trainer.seed)  # same initial weights on every rank
+    sample_shape = tuple(dataset[0][0].shape)
+    model = build_model(cfg.model.name, width=cfg.model.width, depth=cfg.model.depth,
+                        channels=cfg.model.channels, heads=cfg.model.heads, input_shape=sample_shape,
+                        classes=cfg.data.classes, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len).to(device)
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
+    stream = BatchStream(dataset, cfg.data.batch_size, topology.rank, topology.world_size, cfg.trainer.seed,
+                         pin_memory=device.type == "cuda", num_workers=cfg.data.num_workers)
+    start_step = 0
+    source = resume_target(cfg.trainer.resume, run_path)
+    if source is not None:
+        state = _broadcast_from_rank0(load_checkpoint(source) if rank == 0 else None)
+        _check_resumable(state, cfg, topology.world_size, source)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        stream.restore(state["data"])
+        torch.set_rng_state(state["rng"])
+        start_step = int(state["step"])
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              bucket_cap_mb=cfg.comm.bucket_mb, **_NO_BUFFER_SYNC)
+    counters = PhaseCounters()
+    hook = groups = None
+    try:
+        if cfg.comm.algorithm != "ddp":
+            groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend, cfg.comm.timeout_s)
+            hook = register_comm_hook(ddp, make_communicator(cfg.comm.algorithm, groups, counters))
+        return _loop(cfg, ddp, optimizer, scheduler, stream, counters, metrics, run_path, topology,
+                     device, start_step, rank)
+    finally:
+        if hook is not None:
+            hook.close()
+        if groups is not None:
+            groups.destroy()
+
+
+def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, scheduler: Any, stream: BatchStream,
+          counters: PhaseCounters, metrics: Metrics, run_path: Path, topology: Topology,
+          device: torch.device, start_step: int, rank: int) -> dict[str, Any] | None:
+    t = cfg.trainer
+    accum = t.grad_accum_steps
+    samples_per_step = cfg.data.batch_size * accum * topology.world_size
+    totals = {p: [0.0, 0] for p in PHASES}
+    step_times: list[float] = []
+    loss_value = float("nan")
+    interval_start, interval_steps = time.perf_counter(), 0
+
+    def checkpoint(step: int) -> None:
+        if rank == 0:
+            save_checkpoint(run_path / "checkpoints", {
+                "model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "step": step, "data": stream.state(),
+                "rng": torch.get_rng_state(), "model_config": asdict(cfg.model),
+                "world_size": topology.world_size,
+            })
+
+    last = t.max_steps if not t.stop_after else min(t.max_steps, start_step + t.stop_after)
+    for step in range(start_step, last):
+        started = time.perf_counter()
+        total_loss = torch.zeros((), device=device)
+        for micro in range(accum):
+            x, y = next(stream)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            # Only the last micro-step synchronises gradients.
+            with ddp.no_sync() if micro < accum - 1 else nullcontext():
+                loss = _loss(ddp, x, y) / accum
+                loss.backward()
+            total_loss += loss.detach()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # honest step time; this is a local wait, not a collective
+        step_times.append(time.perf_counter() - started)
+        interval_steps += 1
+        phases = counters.snapshot(reset=True)
+        for name, stats in phases.items():
+            totals[name][0] += stats.seconds
+            totals[name][1] += stats.bytes
+        done = step + 1
+        if done % t.log_every == 0 or done == last:
+            loss_value = float(total_loss)
+            elapsed = time.perf_counter() - interval_start
+            rate = samples_per_step * interval_steps / elapsed
+            values = {"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0],
+                      "train/samples_per_s": rate, "train/step_time_s": step_times[-1]}
+            for name, stats in phases.items():
+                values[f"comm/{name}_s"] = stats.seconds
+                values[f"comm/{name}_bytes"] = float(stats.bytes)
+            metrics.scalars(done, values)
+            metrics.status(f"step {done}/{t.max_steps}  loss {loss_value:.4f}  lr {values['train/lr']:.4g}  "
+                           f"{rate:.0f} samples/s  {step_times[-1] * 1e3:.1f} ms/step")
+            interval_start, interval_steps = time.perf_counter(), 0
+        if t.checkpoint_every and done % t.checkpoint_every == 0 and done < last:
+            checkpoint(done)
+    checkpoint(last)
+
+    checksum = param_checksum(ddp.module)
+    all_checksums: list[Any] = [None] * topology.world_size
+    dist.all_gather_object(all_checksums, checksum)
+    if rank != 0:
+        return None
+    timed = step_times[1:] or step_times  # the first step includes warm-up
+    mean_step = sum(timed) / len(timed) if timed else float("nan")
+    result = {
+        "comm": cfg.comm.algorithm, "nnodes": topology.nnodes,
+        "nproc_per_node": topology.node_sizes[0] if topology.is_uniform else list(topology.node_sizes),
+        "world_size": topology.world_size, "steps": last, "steps_run": len(step_times),
+        "final_loss": loss_value, "samples_per_s": samples_per_step / mean_step if timed else float("nan"),
+        "mean_step_s": mean_step, "comm_s": {k: v[0] for k, v in totals.items()},
+        "bytes": {k: v[1] for k, v in totals.items()}, "param_checksum": checksum,
+        "param_checksums_identical": len(set(all_checksums)) == 1, "param_bytes": param_bytes(ddp.module),
+        "model": cfg.model.name, "bucket_mb": cfg.comm.bucket_mb, "batch_size": cfg.data.batch_size,
+        "device": str(device), "run_dir": str(run_path),
+    }
+    metrics.hparams(
+        {"nnodes": result["nnodes"], "nproc_per_node": str(result["nproc_per_node"]),
+         "world_size": result["world_size"], "comm": result["comm"], "bucket_mb": cfg.comm.bucket_mb,
+         "model": cfg.model.name, "width": cfg.model.width, "depth": cfg.model.depth,
+         "param_bytes": result["param_bytes"], "batch_size": cfg.data.batch_size,
+         "optimizer": cfg.optim.name, "lr": cfg.optim.lr},
+        {"final_loss": loss_value, "samples_per_s": result["samples_per_s"], "mean_step_s": mean_step,
+         "comm_s": sum(v[0] for v in totals.values())},
+    )
+    write_json_atomic(run_path / "metrics.json", result)
+    return result

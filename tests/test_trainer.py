@@ -1,0 +1,152 @@
+"""The training loop: hybrid comms against plain DDP, exact resume, data and schedule pieces."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train_workers
+from hybrid.checkpoint import load_checkpoint, save_checkpoint
+from hybrid.config import ClusterConfig, CommConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig, TrainerConfig
+from hybrid.data import ArrayDataset, BatchStream, DatasetSpec, check_arrays, ensure_synthetic
+from hybrid.launch import launch_local
+from hybrid.optim import lr_factor
+from hybrid.trainer import load_dataset
+
+ROOT = Path(tempfile.mkdtemp(prefix="hybrid-trainer-tests-"))
+
+
+def base_config(nnodes: int, nproc: int) -> TrainConfig:
+    return TrainConfig(
+        cluster=ClusterConfig(nnodes, nproc),
+        comm=CommConfig(bucket_mb=0.01, timeout_s=120),  # ~6 buckets for this MLP
+        model=ModelConfig(width=64, depth=3),
+        data=DataConfig(root=str(ROOT / "data"), num_samples=2048, batch_size=16),
+        optim=OptimConfig(lr=0.1, warmup_steps=5),
+        trainer=TrainerConfig(max_steps=20, log_every=10),
+    )
+
+
+COMMS = ["ddp", "flat", "hierarchical", "sharded"]
+PLANS = {
+    "2x2": [(c, {"comm": {"algorithm": c}}) for c in COMMS] + [
+        ("straight", {"trainer": {"max_steps": 40}}),
+        ("resumed", {"trainer": {"max_steps": 40, "stop_after": 20}}),
+        ("resumed", {"trainer": {"max_steps": 40, "resume": True}}),
+    ],
+    "4x2": [(c, {"comm": {"algorithm": c}}) for c in COMMS],
+}
+
+
+@functools.cache
+def job(layout: str) -> tuple[Path, dict]:
+    nnodes, nproc = map(int, layout.split("x"))
+    cfg = base_config(nnodes, nproc)
+    load_dataset(cfg)  # generate the data once, before the ranks start
+    root = ROOT / layout
+    return root, launch_local(cfg.layout, train_workers.runs, (cfg, str(root), PLANS[layout]), timeout_s=270)[0]
+
+
+def model_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("layout", ["2x2", "4x2"])
+def test_hybrid_comms_match_plain_ddp_and_replicas_are_identical(layout):
+    root, results = job(layout)
+    reference = model_state(root / "ddp")
+    initial_loss = None
+    for comm in COMMS:
+        metrics = results[comm]
+        assert metrics["param_checksums_identical"], comm
+        assert metrics["steps"] == 20 and metrics["world_size"] == 4 if layout == "2x2" else 8
+        state = model_state(root / comm)
+        for key, tensor in reference.items():
+            torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{comm} {key}")
+        initial_loss = initial_loss or metrics["final_loss"]
+    assert results["hierarchical"]["bytes"]["inter_allreduce"] > 0
+    assert results["flat"]["bytes"]["flat_allreduce"] > 0
+    assert results["ddp"]["comm_s"]["inter_allreduce"] == 0
+
+
+def test_twenty_steps_plus_resume_equals_forty_straight_bitwise():
+    root, results = job("2x2")
+    straight = torch.load(root / "straight" / "checkpoints" / "last.pt", weights_only=True)
+    resumed = torch.load(root / "resumed" / "checkpoints" / "last.pt", weights_only=True)
+    assert straight["step"] == resumed["step"] == 40
+    for key in straight["model"]:
+        assert torch.equal(straight["model"][key], resumed["model"][key]), key
+    for (k1, s1), (k2, s2) in zip(straight["optimizer"]["state"].items(), resumed["optimizer"]["state"].items()):
+        assert torch.equal(s1["momentum_buffer"], s2["momentum_buffer"])
+    assert results["resumed"]["steps_run"] == 20 and results["straight"]["steps_run"] == 40
+    assert results["resumed"]["param_checksum"] == results["straight"]["param_checksum"]
+
+
+def test_training_reduces_the_loss():
+    root, results = job("2x2")
+    # 40 steps of the learnable synthetic task: loss well below chance (ln 10 = 2.30)
+    assert results["straight"]["final_loss"] < 2.0
+
+
+def test_lr_warmup_then_cosine_to_floor():
+    cfg = OptimConfig(lr=1.0, warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
+    factors = [lr_factor(s, cfg, 20) for s in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
+    assert lr_factor(20, cfg, 20) == pytest.approx(0.1)
+    assert lr_factor(7, OptimConfig(warmup_steps=0, schedule="constant"), 20) == 1.0
+
+
+def test_synthetic_data_is_generated_once_and_reused(tmp_path):
+    spec = DatasetSpec("vectors", 100, 8, 3, 4, 16, 8, seed=1)
+    x_path, y_path = ensure_synthetic(tmp_path, spec)
+    mtime = x_path.stat().st_mtime_ns
+    assert ensure_synthetic(tmp_path, spec) == (x_path, y_path)
+    assert x_path.stat().st_mtime_ns == mtime
+    assert np.load(x_path).shape == (100, 8) and set(np.load(y_path)) <= {0, 1, 2}
+    assert [p.name for p in tmp_path.iterdir()] == [spec.dirname]  # no temp leftovers
+
+
+@pytest.mark.parametrize(
+    "x,y,model,needle",
+    [
+        (np.zeros((0, 4), np.float32), np.zeros(0, np.int64), "mlp", "0 samples"),
+        (np.zeros((5, 4), np.float32), np.zeros(4, np.int64), "mlp", "5 inputs but 4 targets"),
+        (np.zeros((5, 4, 2), np.float32), np.zeros(5, np.int64), "mlp", "needs 2-D"),
+        (np.zeros((5, 4), np.int64), np.zeros(5, np.int64), "mlp", "needs floating-point"),
+        (np.zeros((5, 4), np.float32), np.full(5, 10, np.int64), "mlp", "allowed [0, 9]"),
+        (np.zeros((5, 4), np.float32), np.zeros(5, np.float32), "mlp", "must be integers"),
+    ],
+)
+def test_bad_data_is_rejected_with_the_reason(x, y, model, needle):
+    with pytest.raises(ValueError) as err:
+        check_arrays(x, y, model, classes=10, vocab_size=16, where="data.inputs='x.npy'")
+    assert needle in str(err.value) and "x.npy" in str(err.value)
+
+
+def test_batch_stream_restores_mid_epoch_exactly():
+    data = ArrayDataset(np.arange(64, dtype=np.float32).reshape(32, 2), np.arange(32) % 3)
+    straight = BatchStream(data, 4, rank=1, world=2, seed=3, pin_memory=False, num_workers=0)
+    expected = [next(straight)[0] for _ in range(7)]  # crosses an epoch (4 batches per epoch)
+    first = BatchStream(data, 4, rank=1, world=2, seed=3, pin_memory=False, num_workers=0)
+    for _ in range(3):
+        next(first)
+    resumed = BatchStream(data, 4, rank=1, world=2, seed=3, pin_memory=False, num_workers=0)
+    resumed.restore(first.state())
+    for want in expected[3:]:
+        assert torch.equal(next(resumed)[0], want)
+
+
+def test_checkpoint_is_atomic_and_weights_only(tmp_path):
+    save_checkpoint(tmp_path / "checkpoints", {"model": {"w": torch.ones(2)}, "step": 3})
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["last.pt"]
+    assert load_checkpoint(tmp_path)["step"] == 3
+    with pytest.raises(ValueError, match="not a directory"):
+        load_checkpoint(tmp_path / "nope")
+    with pytest.raises(ValueError, match="not a hybrid run dir"):
+        load_checkpoint(tmp_path / "checkpoints")

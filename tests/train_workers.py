@@ -1,0 +1,38 @@
+"""Rank code for tests/test_trainer.py: several training runs inside one launched job.
+
+Each run goes through the trainer's real per-rank loop (train_on_rank), so
+starting workers (seconds each on this machine) is paid once per layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybrid.config import TrainConfig
+from hybrid.distributed import init_distributed, shutdown_distributed
+from hybrid.metrics import NullMetrics
+from hybrid.topology import discover_topology
+from hybrid.trainer import train_on_rank
+
+
+def runs(base: TrainConfig, root: str, plan: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """``plan``: (run name, {section: {field: value}} overrides); runs happen in order."""
+    env = init_distributed(timeout_s=120)
+    out: dict[str, Any] = {}
+    try:
+        topology = discover_topology(env)
+        torch.set_num_threads(1)
+        for name, overrides in plan:
+            cfg = base
+            for section, fields in overrides.items():
+                cfg = replace(cfg, **{section: replace(getattr(cfg, section), **fields)})
+            result = train_on_rank(cfg, topology, torch.device("cpu"), Path(root) / name, NullMetrics(), env.rank)
+            if result is not None:
+                out[name] = result
+    finally:
+        shutdown_distributed()
+    return out
