@@ -1,0 +1,162 @@
+"""python -m hybrid.train end to end: the default job, its outputs, bad input, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybrid.config import TrainConfig
+from hybrid.launch import free_port
+
+SMALL = ["trainer.max_steps=6", "trainer.log_every=3", "data.num_samples=1024", "model.width=32"]
+
+
+def hybrid_train(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hybrid.train", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("default-run")
+    start = time.monotonic()
+    out = hybrid_train(cwd=cwd)
+    return cwd, out, time.monotonic() - start
+
+
+def test_default_job_finishes_in_under_a_minute_and_says_where_results_are(default_run):
+    cwd, out, elapsed = default_run
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert elapsed < 60
+    tb = re.search(r"TensorBoard logs: (\S+)", out.stdout)
+    metrics = re.search(r"metrics: (\S+)", out.stdout)
+    assert tb and metrics and Path(tb.group(1)).is_dir() and Path(metrics.group(1)).is_file()
+    assert re.search(r"step 50/50\s+loss [\d.]+\s+lr [\d.e-]+\s+\d+ samples/s", out.stdout)
+
+
+def test_metrics_json_has_the_documented_keys(default_run):
+    cwd, out, _ = default_run
+    metrics = json.loads(Path(re.search(r"metrics: (\S+)", out.stdout).group(1)).read_text())
+    for key in ("comm", "nnodes", "nproc_per_node", "world_size", "steps", "final_loss", "samples_per_s",
+                "mean_step_s", "comm_s", "bytes", "param_checksum"):
+        assert key in metrics, key
+    assert metrics["comm"] == "hierarchical" and metrics["nnodes"] == 2 and metrics["world_size"] == 4
+    assert metrics["steps"] == 50 and metrics["param_checksums_identical"]
+    assert set(metrics["comm_s"]) == set(metrics["bytes"]) == {
+        "flat_allreduce", "intra_reduce", "inter_allreduce", "intra_broadcast"}
+    assert metrics["bytes"]["inter_allreduce"] > 0 and metrics["comm_s"]["intra_reduce"] > 0
+
+
+def test_only_rank_zero_writes_one_run_dir(default_run):
+    cwd, out, _ = default_run
+    runs = list((cwd / "outputs" / "runs").iterdir())
+    assert len(runs) == 1
+    assert sorted(p.name for p in runs[0].iterdir()) == [".hydra", "checkpoints", "metrics.json", "tb", "train.log"]
+    assert sorted(p.name for p in cwd.iterdir()) == ["data", "outputs"]
+
+
+def test_tensorboard_has_per_phase_scalars_and_hparams(default_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    cwd, out, _ = default_run
+    acc = EventAccumulator(re.search(r"TensorBoard logs: (\S+)", out.stdout).group(1))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("train/loss", "train/lr", "train/samples_per_s", "train/step_time_s"):
+        assert tag in tags
+    for phase in ("intra_reduce", "inter_allreduce", "intra_broadcast"):
+        assert f"comm/{phase}_s" in tags and f"comm/{phase}_bytes" in tags
+    assert [e.step for e in acc.Scalars("train/loss")] == [10, 20, 30, 40, 50]
+    content = acc.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    assert {"nnodes", "nproc_per_node", "comm", "bucket_mb", "param_bytes", "width", "depth"} <= set(
+        start.session_start_info.hparams)
+    assert start.session_start_info.hparams["comm"].string_value == "hierarchical"
+
+
+BAD = [
+    (["cluster.nnodes=0"], "cluster.nnodes=0 must be >= 1"),
+    (["data.batch_size=-4"], "data.batch_size=-4 must be >= 1"),
+    (["comm=ring"], "comm='ring' is not one of ddp, flat, hierarchical, sharded"),
+    (["model=resnet"], "model='resnet' is not one of cnn, mlp, transformer"),
+    (["data=files", "data.inputs=/no/such/file.npy"], "data.inputs='/no/such/file.npy' does not exist"),
+    (["optim.lr=fast"], "optim.lr: Value 'fast' of type 'str' could not be converted to Float"),
+    (["comm.bucket_mb=big"], "comm.bucket_mb: Value 'big'"),
+    (["comm.typo=1"], "Key 'typo' not in 'CommConfig'"),
+    (["trainer.device=cuda"], "trainer.device='cuda' but torch.cuda.is_available() is False"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, needle, tmp_path):
+    start = time.monotonic()
+    out = hybrid_train(*args, cwd=tmp_path, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"error: {out.stderr.strip()[7:]}"]
+    assert needle in out.stderr
+    assert time.monotonic() - start < 30
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_more_gpu_workers_than_gpus_is_refused(monkeypatch):
+    import torch
+
+    from hybrid.train import check_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = TrainConfig()
+    with pytest.raises(ValueError, match=r"cluster.nproc_per_node=2 but this node has 1 GPU\(s\)"):
+        check_devices(cfg)
+
+
+def test_an_earlier_run_dir_is_never_overwritten(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.json").write_text("precious")
+    out = hybrid_train(f"hydra.run.dir={run}", *SMALL, cwd=tmp_path, timeout=60)
+    assert out.returncode == 2 and "already holds a run" in out.stderr
+    assert (run / "metrics.json").read_text() == "precious"
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.json"]
+
+
+def test_under_real_torchrun_two_agents_2x2_hierarchical(tmp_path):
+    run = tmp_path / "run"
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=hybrid-test",
+           "--max-restarts=0", "-m", "hybrid.train", "comm=hierarchical", f"hydra.run.dir={run}", *SMALL]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    agents = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True) for _ in range(2)]
+    try:
+        outputs = [a.communicate(timeout=240)[0] for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["nnodes"] == 2 and metrics["nproc_per_node"] == 2 and metrics["world_size"] == 4
+    assert metrics["comm"] == "hierarchical" and metrics["param_checksums_identical"]
+    # Rank 0 owns the run dir; the other ranks wrote nothing of Hydra's anywhere.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "run"]
+
+
+def test_torchrun_layout_conflicting_with_cluster_override_is_an_error(monkeypatch):
+    from hybrid.train import check_torchrun_layout
+
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = TrainConfig()
+    cfg.cluster.nnodes = 3
+    with pytest.raises(ValueError, match=r"cluster.nnodes=3 conflicts with torchrun's nnodes \(2\)"):
+        check_torchrun_layout(cfg, ["cluster.nnodes=3"])
+    check_torchrun_layout(cfg, [])  # not overridden: torchrun's layout wins silently
