@@ -17,7 +17,26 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-__all__ = ["precheck"]
+__all__ = ["check_resume", "precheck"]
+
+
+def check_resume(resume: object, run_dir: Path | None) -> None:
+    """The run to resume must exist before any worker starts."""
+    from hybrid.checkpoint import CHECKPOINT_NAME
+    from hybrid.config import resume_target
+
+    continue_here = resume is True or str(resume).lower() in ("true", "yes")
+    if continue_here and run_dir is None:
+        raise ValueError(
+            "trainer.resume=true continues the run in hydra.run.dir: also give "
+            "hydra.run.dir=<the earlier run's directory> (or trainer.resume=<that directory>)"
+        )
+    target = resume_target(resume, run_dir or Path("."))
+    if target is not None and not (target / "checkpoints" / CHECKPOINT_NAME).is_file():
+        raise ValueError(
+            f"trainer.resume={str(resume)!r}: {str(target)!r} has no checkpoints/{CHECKPOINT_NAME} "
+            "(not a finished or checkpointed hybrid run)"
+        )
 
 
 def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -61,8 +80,10 @@ def precheck(argv: list[str], conf_dir: Path | None = None) -> str | None:
         settings = validate(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
         if under_torchrun():
             check_torchrun_layout(settings, task)
-        if "hydra.run.dir" in hydra_overrides:
-            check_run_dir(Path(hydra_overrides["hydra.run.dir"]), settings.trainer.resume)
+        run_dir = hydra_overrides.get("hydra.run.dir")
+        if run_dir:
+            check_run_dir(Path(run_dir), settings.trainer.resume)
+        check_resume(settings.trainer.resume, Path(run_dir) if run_dir else None)
         prepare(settings)
     except (HydraException, OmegaConfBaseException) as exc:
         return _one_line(exc, conf_dir)

@@ -1,4 +1,4 @@
-"""Every config in conf/ composes and turns into validated settings."""
+"""Every config in conf/ composes against the typed schema and turns into validated settings."""
 
 from pathlib import Path
 
@@ -6,21 +6,51 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import hybrid.train  # noqa: F401  registers the schema (train_schema) with Hydra's ConfigStore
 from hybrid.comm import COMM_CHOICES, CommSettings
+from hybrid.config import TrainConfig, validate
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in CONF.iterdir() if g.is_dir()}
+
+
+def compose_with(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_group_option_composes_into_typed_settings(group, option, tmp_path):
+    extra = []
+    if (group, option) == ("data", "files"):
+        (tmp_path / "x.npy").write_bytes(b"")
+        extra = [f"data.inputs={tmp_path / 'x.npy'}"]
+    settings = OmegaConf.to_object(compose_with(f"{group}={option}", *extra))
+    assert isinstance(settings, TrainConfig)
+    validate(settings)
+
+
+def test_the_groups_the_docs_promise_exist():
+    assert {"cluster", "comm", "model", "data", "optim", "trainer"} <= set(GROUPS)
+    assert GROUPS["comm"] == sorted(COMM_CHOICES)
+    assert {"mlp", "cnn", "transformer"} <= set(GROUPS["model"])
 
 
 @pytest.mark.parametrize("choice", COMM_CHOICES)
-def test_each_comm_config_composes_into_settings(choice):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"comm={choice}"])
+def test_each_comm_config_is_valid_comm_settings(choice):
+    cfg = compose_with(f"comm={choice}")
     settings = CommSettings(**OmegaConf.to_container(cfg.comm, resolve=True))
     assert settings.algorithm == choice
 
 
-def test_comm_group_lists_exactly_the_algorithms():
-    assert sorted(p.stem for p in (CONF / "comm").glob("*.yaml")) == sorted(COMM_CHOICES)
+def test_stable_names_scripts_rely_on():
+    cfg = compose_with("cluster.nnodes=3", "cluster.nproc_per_node=2", "comm.bucket_mb=4", "trainer.max_steps=7",
+                       "trainer.seed=3", "trainer.checkpoint_every=2", "trainer.resume=true", "data.batch_size=8",
+                       "model.width=16", "model.depth=2")
+    s = OmegaConf.to_object(cfg)
+    assert (s.cluster.nnodes, s.cluster.nproc_per_node, s.comm.bucket_mb, s.trainer.max_steps) == (3, 2, 4.0, 7)
+    assert (s.trainer.seed, s.trainer.checkpoint_every, s.trainer.resume, s.data.batch_size) == (3, 2, True, 8)
+    assert (s.model.width, s.model.depth) == (16, 2)
 
 
 @pytest.mark.parametrize(
@@ -32,7 +62,7 @@ def test_comm_group_lists_exactly_the_algorithms():
         ("timeout_s", -1, "comm.timeout_s=-1 must be > 0"),
     ],
 )
-def test_bad_settings_name_the_value_and_what_is_allowed(field, value, needle):
+def test_bad_comm_settings_name_the_value_and_what_is_allowed(field, value, needle):
     with pytest.raises(ValueError) as err:
         CommSettings(**{field: value})
     assert needle in str(err.value)

@@ -92,6 +92,8 @@ BAD = [
     (["comm.bucket_mb=big"], "comm.bucket_mb: Value 'big'"),
     (["comm.typo=1"], "Key 'typo' not in 'CommConfig'"),
     (["trainer.device=cuda"], "trainer.device='cuda' but torch.cuda.is_available() is False"),
+    (["trainer.resume=true"], "trainer.resume=true continues the run in hydra.run.dir"),
+    (["trainer.resume=/no/such/run"], "'/no/such/run' has no checkpoints/last.pt"),
 ]
 
 
@@ -104,6 +106,14 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, needle, tmp_path)
     assert needle in out.stderr
     assert time.monotonic() - start < 30
     assert list(tmp_path.iterdir()) == []
+
+
+def test_help_lists_the_config_groups(tmp_path):
+    out = hybrid_train("--help", cwd=tmp_path, timeout=60)
+    assert out.returncode == 0
+    for line in ("cluster: local", "comm: ddp, flat, hierarchical, sharded", "model: cnn, mlp, transformer",
+                 "data: files, synthetic", "optim: adamw, sgd", "trainer: default"):
+        assert line in out.stdout
 
 
 def test_more_gpu_workers_than_gpus_is_refused(monkeypatch):
