@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybrid.comm.settings import COMM_CHOICES, CommSettings
+from hybrid.comm.settings import CommSettings
 from hybrid.topology import Layout
 
 __all__ = [
@@ -45,13 +45,9 @@ class ClusterConfig:
     launch_timeout_s: float = 3600.0  # whole-job deadline of a local launch
 
 
-@dataclass
-class CommConfig:
-    algorithm: str = "hierarchical"
-    bucket_mb: float = 25.0
-    intra_backend: str = "auto"
-    inter_backend: str = "auto"
-    timeout_s: float = 300.0
+# The comm section is the core's own settings object: one definition, validated
+# in its __post_init__ whenever Hydra's values become objects.
+CommConfig = CommSettings
 
 
 @dataclass
@@ -117,9 +113,6 @@ class TrainConfig:
     def layout(self) -> Layout:
         return Layout.uniform(self.cluster.nnodes, self.cluster.nproc_per_node)
 
-    def comm_settings(self) -> CommSettings:
-        c = self.comm
-        return CommSettings(c.algorithm, c.bucket_mb, c.intra_backend, c.inter_backend, c.timeout_s)
 
 
 def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -146,8 +139,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _at_least("cluster.nnodes", cfg.cluster.nnodes, 1)
     _at_least("cluster.nproc_per_node", cfg.cluster.nproc_per_node, 1)
     _at_least("cluster.launch_timeout_s", cfg.cluster.launch_timeout_s, 1)
-    _one_of("comm.algorithm", cfg.comm.algorithm, COMM_CHOICES)
-    cfg.comm_settings()  # backends, bucket size, timeout
+    cfg.comm.__post_init__()  # algorithm, backends, bucket size, timeout
     _one_of("model.name", cfg.model.name, MODELS)
     for key in ("width", "depth", "channels", "heads"):
         _at_least(f"model.{key}", getattr(cfg.model, key), 1)

@@ -13,8 +13,10 @@ __all__ = ["COMM_CHOICES", "CommSettings"]
 COMM_CHOICES = (*ALGORITHMS, "ddp")
 
 
-@dataclass(frozen=True)
+@dataclass
 class CommSettings:
+    """How gradients travel; also the schema of the Hydra ``comm`` group."""
+
     algorithm: str = "hierarchical"
     bucket_mb: float = 25.0
     intra_backend: str = "auto"
@@ -23,7 +25,7 @@ class CommSettings:
 
     def __post_init__(self) -> None:
         if self.algorithm not in COMM_CHOICES:
-            raise ValueError(f"comm algorithm {self.algorithm!r} is not one of {', '.join(COMM_CHOICES)}")
+            raise ValueError(f"comm.algorithm={self.algorithm!r} is not one of {', '.join(COMM_CHOICES)}")
         for level in ("intra", "inter"):
             value = getattr(self, f"{level}_backend")
             if value not in BACKENDS:
