@@ -168,6 +168,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="element type (default float32)")
     p.add_argument("--intra-backend", default="auto", choices=("auto", "gloo", "nccl"))
     p.add_argument("--inter-backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--testbed-mbit", type=float, default=0.0,
+                   help="run each node in its own network namespace behind a NIC shaped to this many Mbit/s "
+                        "(needs root; default 0 = all nodes on loopback)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails (default 300)")
     p.add_argument("--output", default=None,
                    help="JSON results file (default: outputs/bench/<layout>-<date>-<time>.json, a new file each run)")
@@ -191,6 +194,8 @@ def _options(args: argparse.Namespace, p: argparse.ArgumentParser) -> BenchOptio
         p.error(f"--iters {args.iters} must be >= 1 and --warmup {args.warmup} >= 0")
     if args.timeout <= 0:
         p.error(f"--timeout {args.timeout} must be > 0 seconds")
+    if args.testbed_mbit < 0:
+        p.error(f"--testbed-mbit {args.testbed_mbit} must be >= 0 (0: no testbed)")
     return BenchOptions(layout, sizes, algorithms, args.iters, args.warmup, args.dtype,
                         args.intra_backend, args.inter_backend, args.timeout)
 
@@ -221,7 +226,17 @@ def main(argv: list[str] | None = None) -> int:
         layout = Layout.parse(opts.layout)
         # Generous: start-up plus every collective's own timeout bounds it anyway.
         budget = opts.timeout_s + 120 + 10 * len(opts.sizes) * len(opts.algorithms) * (opts.iters + opts.warmup)
-        report = launch_local(layout, importable.run_bench, (opts,), timeout_s=budget)[0]
+        if args.testbed_mbit:
+            from hybrid.testbed import LinkShape, Testbed, TestbedError
+
+            try:
+                with Testbed(layout.nnodes, LinkShape(args.testbed_mbit)) as bed:
+                    report = launch_local(layout, importable.run_bench, (opts,), timeout_s=budget, nodes=bed.nodes)[0]
+            except TestbedError as exc:
+                p.error(str(exc))
+            report["testbed_link_mbit"] = args.testbed_mbit
+        else:
+            report = launch_local(layout, importable.run_bench, (opts,), timeout_s=budget)[0]
     if report is not None:
         print(format_table(report))
         output.parent.mkdir(parents=True, exist_ok=True)

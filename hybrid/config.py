@@ -26,6 +26,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "TrainConfig",
+    "TestbedConfig",
     "TrainerConfig",
     "resume_target",
     "validate",
@@ -39,10 +40,21 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
+class TestbedConfig:
+    """Run each simulated node in its own network namespace behind a shaped link (hybrid.testbed)."""
+
+    enabled: bool = False
+    link_mbit: float = 500.0  # each node's NIC, both directions
+    burst_kb: float = 0.0  # tbf burst; 0 = one 4 ms tick at the rate, at least 64 KB
+    latency_ms: float = 50.0  # tbf queue limit
+
+
+@dataclass
 class ClusterConfig:
     nnodes: int = 2
     nproc_per_node: int = 2
     launch_timeout_s: float = 3600.0  # whole-job deadline of a local launch
+    testbed: TestbedConfig = field(default_factory=TestbedConfig)
 
 
 # The comm section is the core's own settings object: one definition, validated
@@ -139,6 +151,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _at_least("cluster.nnodes", cfg.cluster.nnodes, 1)
     _at_least("cluster.nproc_per_node", cfg.cluster.nproc_per_node, 1)
     _at_least("cluster.launch_timeout_s", cfg.cluster.launch_timeout_s, 1)
+    if not cfg.cluster.testbed.link_mbit > 0:
+        raise ValueError(f"cluster.testbed.link_mbit={cfg.cluster.testbed.link_mbit!r} must be > 0")
+    _at_least("cluster.testbed.burst_kb", cfg.cluster.testbed.burst_kb, 0)
+    _at_least("cluster.testbed.latency_ms", cfg.cluster.testbed.latency_ms, 0.001)
     cfg.comm.__post_init__()  # algorithm, backends, bucket size, timeout
     _one_of("model.name", cfg.model.name, MODELS)
     for key in ("width", "depth", "channels", "heads"):

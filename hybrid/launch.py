@@ -1,37 +1,62 @@
 """Launch a simulated multi-node job on this machine with torch's elastic agent.
 
-Each simulated node gets its own elastic agent (the engine behind torchrun),
-and the agents meet through a c10d rendezvous on 127.0.0.1, exactly as the
-agents of a real multi-node job meet on node 0. Each node's workers therefore
-see an honest ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``, and nodes may differ in
-size (``Layout((3, 1))``). One big local group would instead let gloo take
+Each simulated node gets its own elastic agent (the engine behind torchrun) in
+a process of its own (:mod:`hybrid.agent`), and the agents meet through a c10d
+rendezvous on node 0's address, exactly as the agents of a real multi-node job
+meet on node 0. Each node's workers therefore see an honest
+``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``, and nodes may differ in size
+(``Layout((3, 1))``). One big local group would instead let gloo take
 intra-machine shortcuts that a real cluster does not have.
 
+By default every node is on loopback. With ``nodes=[NodeNetwork(...)]`` each
+agent starts inside its node's network namespace and gloo binds to that
+node's NIC (see :mod:`hybrid.testbed`): the same code path as a real cluster.
+
 The entry point is a picklable function; each worker's return value comes
-back to the caller, ordered by global rank. Every wait is bounded: if the
-job does not finish within ``timeout_s`` every agent (and with it its
-workers) is stopped and :class:`LaunchError` says so.
+back to the caller, ordered by global rank. Every wait is bounded: when one
+node fails, or the job outlives ``timeout_s``, every agent's process group
+(the agent and its workers) is stopped and :class:`LaunchError` says why.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import json
 import os
-import queue
+import pickle
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from hybrid.topology import Layout
 
-__all__ = ["LaunchError", "free_port", "launch_local", "worker_threads"]
+__all__ = ["LOOPBACK", "LaunchError", "NodeNetwork", "free_port", "launch_local", "worker_threads"]
 
 _LOCALHOST = "127.0.0.1"
+_RDZV_PORT_IN_NAMESPACE = 29500  # a fresh namespace has every port free
 
 
 class LaunchError(RuntimeError):
     """A local job failed or timed out; the message names the node and the cause."""
+
+
+@dataclass(frozen=True)
+class NodeNetwork:
+    """Where one simulated node runs: its address, the NIC gloo binds to, how to enter it."""
+
+    address: str
+    ifname: str
+    prefix: tuple[str, ...] = ()  # e.g. ("ip", "netns", "exec", "hybrid-n0")
+
+
+LOOPBACK = NodeNetwork(_LOCALHOST, "lo")
 
 
 def free_port(host: str = _LOCALHOST) -> int:
@@ -46,49 +71,6 @@ def worker_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, world_size))
 
 
-def _rank_and_result(entrypoint: Callable[..., Any], *args: Any) -> tuple[int, Any]:
-    return int(os.environ["RANK"]), entrypoint(*args)
-
-
-def _agent(
-    node_index: int,
-    layout: Layout,
-    endpoint: str,
-    run_id: str,
-    timeout_s: float,
-    env: dict[str, str],
-    entrypoint: Callable[..., Any],
-    args: Sequence[Any],
-    results: "mp.Queue[tuple[int, str, Any]]",
-) -> None:
-    # Imported here: the parent may not need torch at all to start agents.
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    os.environ.update(env)
-    config = LaunchConfig(
-        min_nodes=layout.nnodes,
-        max_nodes=layout.nnodes,
-        nproc_per_node=layout.node_sizes[node_index],
-        run_id=run_id,
-        rdzv_backend="c10d",
-        rdzv_endpoint=endpoint,
-        # The first agent hosts the rendezvous store; the others connect to it.
-        rdzv_configs={"is_host": node_index == 0, "join_timeout": int(timeout_s)},
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-        local_addr=_LOCALHOST,
-    )
-    try:
-        per_local_rank = elastic_launch(config, _rank_and_result)(entrypoint, *args)
-        results.put((node_index, "ok", dict(per_local_rank.values())))
-    except ChildFailedError as exc:
-        results.put((node_index, "failed", exc.format_msg()))
-    except BaseException as exc:
-        results.put((node_index, "failed", f"{type(exc).__name__}: {exc}"))
-
-
 def launch_local(
     layout: Layout,
     entrypoint: Callable[..., Any],
@@ -96,66 +78,102 @@ def launch_local(
     *,
     timeout_s: float = 600.0,
     env: dict[str, str] | None = None,
+    nodes: Sequence[NodeNetwork] | None = None,
 ) -> list[Any]:
     """Run ``entrypoint(*args)`` on every rank of ``layout``; return the results by rank.
 
     Workers get torchrun's environment (``RANK``, ``LOCAL_RANK``,
-    ``GROUP_RANK``, ``MASTER_ADDR`` ...); gloo is bound to the loopback
-    interface unless ``env`` says otherwise.
+    ``GROUP_RANK``, ``MASTER_ADDR`` ...); gloo is bound to each node's NIC
+    (loopback unless ``nodes`` says otherwise).
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
-    worker_env = {
-        "GLOO_SOCKET_IFNAME": "lo",
-        "OMP_NUM_THREADS": str(worker_threads(layout.world_size)),
-        "TORCH_ELASTIC_WORKER_IDENTICAL": "0",
+    nodes = list(nodes) if nodes is not None else [LOOPBACK] * layout.nnodes
+    if len(nodes) != layout.nnodes:
+        raise ValueError(f"{len(nodes)} node networks for a layout of {layout.nnodes} nodes")
+    port = free_port() if nodes[0] == LOOPBACK else _RDZV_PORT_IN_NAMESPACE
+    job_dir = Path(tempfile.mkdtemp(prefix="hybrid-job-"))
+    meta = {
+        "sys_path": [p for p in sys.path if p],
+        "nnodes": layout.nnodes,
+        "node_sizes": list(layout.node_sizes),
+        "node_addresses": [n.address for n in nodes],
+        "run_id": f"hybrid-{uuid.uuid4().hex[:8]}",
+        "rdzv_endpoint": f"{nodes[0].address}:{port}",
+        "timeout_s": timeout_s,
     }
-    worker_env.update(env or {})
-    endpoint = f"{_LOCALHOST}:{free_port()}"
-    run_id = f"hybrid-{uuid.uuid4().hex[:8]}"
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
-    agents = [
-        ctx.Process(
-            target=_agent,
-            args=(i, layout, endpoint, run_id, timeout_s, worker_env, entrypoint, tuple(args), results),
-            name=f"hybrid-agent-{i}",
-        )
-        for i in range(layout.nnodes)
-    ]
-    deadline = time.monotonic() + timeout_s
-    by_rank: dict[int, Any] = {}
+    (job_dir / "meta.json").write_text(json.dumps(meta))
+    (job_dir / "job.pkl").write_bytes(pickle.dumps((entrypoint, tuple(args))))
+    base_env = {**os.environ, "OMP_NUM_THREADS": str(worker_threads(layout.world_size)),
+                "TORCH_ELASTIC_WORKER_IDENTICAL": "0", **(env or {})}
+    agents: list[subprocess.Popen] = []
     try:
-        for agent in agents:
-            agent.start()
-        for _ in agents:
-            remaining = deadline - time.monotonic()
-            try:
-                node_index, status, payload = results.get(timeout=max(remaining, 0.01))
-            except queue.Empty:
-                raise LaunchError(
-                    f"layout {layout} did not finish within timeout_s={timeout_s:g}; stopped all workers"
-                ) from None
+        for i, node in enumerate(nodes):
+            node_env = dict(base_env)
+            if "GLOO_SOCKET_IFNAME" not in (env or {}):  # an explicit env wins; the node's NIC otherwise
+                node_env["GLOO_SOCKET_IFNAME"] = node.ifname
+            agents.append(subprocess.Popen(
+                [*node.prefix, sys.executable, "-m", "hybrid.agent", str(job_dir), str(i)],
+                env=node_env, start_new_session=True,  # its own process group: stoppable as a whole
+            ))
+        _wait(agents, layout, timeout_s)
+        by_rank: dict[int, Any] = {}
+        for i in range(layout.nnodes):
+            status, payload = _result(job_dir, i, agents[i])
             if status != "ok":
-                raise LaunchError(f"node {node_index} failed: {payload}")
+                raise LaunchError(f"node {i} failed: {payload}")
             by_rank.update(payload)
+        return [by_rank[rank] for rank in sorted(by_rank)]
     finally:
         _stop(agents)
-    return [by_rank[rank] for rank in sorted(by_rank)]
+        shutil.rmtree(job_dir, ignore_errors=True)
 
 
-def _stop(agents: list[mp.Process], grace_s: float = 15.0) -> None:
-    """Let finished agents exit; SIGTERM the rest (the agent then stops its workers), then SIGKILL."""
+def _result(job_dir: Path, node: int, agent: subprocess.Popen) -> tuple[str, Any]:
+    path = job_dir / f"result-{node}.pkl"
+    if not path.is_file():
+        return "failed", f"agent exited with code {agent.returncode} without a result"
+    return pickle.loads(path.read_bytes())
+
+
+def _wait(agents: list[subprocess.Popen], layout: Layout, timeout_s: float) -> None:
+    """Until every agent exits; stop early when one fails (its peers would only time out)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [a.poll() for a in agents]
+        if all(c is not None for c in codes):
+            return
+        if any(c not in (None, 0) for c in codes):
+            return  # the failed node's result file says why
+        if time.monotonic() > deadline:
+            raise LaunchError(f"layout {layout} did not finish within timeout_s={timeout_s:g}; stopped all workers")
+        try:
+            next(a for a in agents if a.poll() is None).wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _stop(agents: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM each agent's process group (the agent stops its workers), then SIGKILL what is left."""
+    for agent in agents:
+        if agent.poll() is None:
+            _signal_group(agent, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for agent in agents:
-        if agent.pid is not None:
-            agent.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
-    for agent in agents:
-        if agent.is_alive():
-            agent.terminate()
-    for agent in agents:
-        if agent.pid is not None:
-            agent.join(timeout=max(0.1, deadline - time.monotonic()))
-        if agent.is_alive():
-            agent.kill()
-            agent.join(timeout=5)
+        try:
+            agent.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        # Workers can outlive an agent that died first: clear the whole group.
+        _signal_group(agent, signal.SIGKILL)
+        try:
+            agent.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _signal_group(agent: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(agent.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -43,6 +43,18 @@ def check_torchrun_layout(cfg: TrainConfig, overrides: list[str]) -> None:
             )
 
 
+def check_testbed(cfg: TrainConfig) -> None:
+    if not cfg.cluster.testbed.enabled:
+        return
+    if under_torchrun():
+        raise ValueError("cluster.testbed.enabled=true starts its own nodes: run it without torchrun")
+    from hybrid.testbed import testbed_available
+
+    reason = testbed_available()
+    if reason:
+        raise ValueError(f"cluster.testbed.enabled=true but {reason}")
+
+
 def check_devices(cfg: TrainConfig) -> None:
     import torch
 
@@ -70,8 +82,23 @@ def prepare(cfg: TrainConfig) -> None:
     """Checks that need the data and devices; also generates synthetic data once, up front."""
     from hybrid.trainer import load_dataset
 
+    check_testbed(cfg)
     check_devices(cfg)
     load_dataset(cfg)
+
+
+def launch_job(settings: TrainConfig, entrypoint: Any, args: tuple) -> list[Any]:
+    """Launch the layout locally: on loopback, or one network namespace per node (testbed)."""
+    from hybrid.launch import launch_local
+
+    tb = settings.cluster.testbed
+    if not tb.enabled:
+        return launch_local(settings.layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s)
+    from hybrid.testbed import LinkShape, Testbed
+
+    with Testbed(settings.cluster.nnodes, LinkShape(tb.link_mbit, tb.burst_kb, tb.latency_ms)) as bed:
+        return launch_local(settings.layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s,
+                            nodes=bed.nodes)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -89,11 +116,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     else:
         check_run_dir(run_dir, settings.trainer.resume)
         prepare(settings)
-        from hybrid.launch import launch_local
-
-        results = launch_local(settings.layout, run_worker, (settings, str(run_dir)),
-                               timeout_s=settings.cluster.launch_timeout_s)
-        result = results[0]
+        result = launch_job(settings, run_worker, (settings, str(run_dir)))[0]
     if result is not None:
         print(f"TensorBoard logs: {run_dir / 'tb'}  (tensorboard --logdir {run_dir / 'tb'})")
         print(f"metrics: {run_dir / 'metrics.json'}")

@@ -90,7 +90,7 @@ BAD = [
     (["data=files", "data.inputs=/no/such/file.npy"], "data.inputs='/no/such/file.npy' does not exist"),
     (["optim.lr=fast"], "optim.lr: Value 'fast' of type 'str' could not be converted to Float"),
     (["comm.bucket_mb=big"], "comm.bucket_mb: Value 'big'"),
-    (["comm.typo=1"], "Key 'typo' not in 'CommConfig'"),
+    (["comm.typo=1"], "comm.typo: Key 'typo' not in 'CommSettings'"),
     (["trainer.device=cuda"], "trainer.device='cuda' but torch.cuda.is_available() is False"),
     (["trainer.resume=true"], "trainer.resume=true continues the run in hydra.run.dir"),
     (["trainer.resume=/no/such/run"], "'/no/such/run' has no checkpoints/last.pt"),
