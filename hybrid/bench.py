@@ -220,7 +220,6 @@ def main(argv: list[str] | None = None) -> int:
             check_world_size(Layout.parse(args.layout), WorkerEnv.from_env().world_size)
         report = run_bench(opts)
     else:
-        from hybrid import bench as importable  # not __main__: workers must import it by name
         from hybrid.launch import launch_local
 
         layout = Layout.parse(opts.layout)
@@ -231,12 +230,12 @@ def main(argv: list[str] | None = None) -> int:
 
             try:
                 with Testbed(layout.nnodes, LinkShape(args.testbed_mbit)) as bed:
-                    report = launch_local(layout, importable.run_bench, (opts,), timeout_s=budget, nodes=bed.nodes)[0]
+                    report = launch_local(layout, run_bench, (opts,), timeout_s=budget, nodes=bed.nodes)[0]
             except TestbedError as exc:
                 p.error(str(exc))
             report["testbed_link_mbit"] = args.testbed_mbit
         else:
-            report = launch_local(layout, importable.run_bench, (opts,), timeout_s=budget)[0]
+            report = launch_local(layout, run_bench, (opts,), timeout_s=budget)[0]
     if report is not None:
         print(format_table(report))
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -248,4 +247,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the copy imported as hybrid.bench, not this __main__ one: the options and
+    # the worker function are pickled by module name for the agents and workers.
+    from hybrid.bench import main as _main
+
+    sys.exit(_main())

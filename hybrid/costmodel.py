@@ -1,0 +1,179 @@
+"""Alpha-beta cost model of the three all-reduce algorithms on a two-level cluster.
+
+Each level has a latency ``alpha`` (seconds per message step) and an inverse
+bandwidth ``beta`` (seconds per byte): intra-node (NVLink, or a namespace's
+local path on the testbed) and inter-node (each node's NIC). For S bytes over
+n nodes of g workers (N = n g ranks):
+
+- ``flat``: a ring over all N ranks laid out node by node. Each of its
+  2(N-1) steps moves S/N bytes over every hop at once; n of the hops cross a
+  NIC, so each NIC carries 2(N-1)/N x S bytes and every step waits for the
+  slowest (inter-node) hop: 2(N-1) (alpha_e + S/N beta_e).
+- ``hierarchical``: reduce to the leader and broadcast back, each
+  (g-1) alpha_i + (g-1)/g S beta_i; between them a ring of the n leaders,
+  2(n-1) alpha_e + 2(n-1)/n S beta_e.
+- ``sharded``: reduce-scatter and all-gather inside the node (same cost as
+  reduce and broadcast above) around g concurrent all-reduces of S/g bytes
+  across nodes. They share the node's NICs, so with k NICs per node the NIC
+  bytes are 2(n-1)/n S / min(g, k) each: 2(n-1) alpha_e + 2(n-1)/n S beta_e / min(g, k).
+
+On one level (n = 1 or g = 1) the formulas fall back to a single ring on the
+level that is present. :func:`calibrate` fits alpha and beta per level from
+``hybrid.bench`` JSON (least squares on per-phase times), so predictions for
+clusters nobody here has use figures measured on the testbed.
+
+``python -m hybrid.costmodel --layout 1024x8 --sizes 25M,1G`` prints predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from hybrid.topology import Layout
+
+__all__ = ["Level", "Model", "calibrate", "predict", "predict_all"]
+
+ALGORITHMS = ("flat", "hierarchical", "sharded")
+
+
+@dataclass(frozen=True)
+class Level:
+    alpha_s: float  # seconds per message step
+    beta_s_per_byte: float  # seconds per byte (1 / bandwidth)
+
+    def step(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes * self.beta_s_per_byte
+
+    @classmethod
+    def from_bandwidth(cls, alpha_us: float, gbit_per_s: float) -> "Level":
+        return cls(alpha_us * 1e-6, 8.0 / (gbit_per_s * 1e9))
+
+
+@dataclass(frozen=True)
+class Model:
+    intra: Level
+    inter: Level
+    nics_per_node: int = 1
+
+
+def _ring_allreduce(level: Level, nbytes: float, p: int) -> float:
+    return 2 * (p - 1) * level.step(nbytes / p) if p > 1 else 0.0
+
+
+def _rooted(level: Level, nbytes: float, p: int) -> float:
+    """Reduce (or broadcast, reduce-scatter, all-gather) of nbytes over p ranks."""
+    return (p - 1) * level.alpha_s + (p - 1) / p * nbytes * level.beta_s_per_byte if p > 1 else 0.0
+
+
+def predict(model: Model, algorithm: str, layout: Layout, nbytes: float) -> dict[str, float]:
+    """Predicted seconds per phase (same names as the communicator's counters) and ``total``."""
+    if not layout.is_uniform:
+        raise ValueError(f"the cost model needs nodes of equal size, got {list(layout.node_sizes)}")
+    n, g = layout.nnodes, layout.node_sizes[0]
+    if algorithm == "flat":
+        level = model.inter if n > 1 else model.intra
+        phases = {"flat_allreduce": _ring_allreduce(level, nbytes, n * g)}
+    elif algorithm in ("hierarchical", "sharded"):
+        parallel = min(g, model.nics_per_node) if algorithm == "sharded" else 1
+        inter = Level(model.inter.alpha_s, model.inter.beta_s_per_byte / parallel)
+        phases = {
+            "intra_reduce": _rooted(model.intra, nbytes, g),
+            "inter_allreduce": _ring_allreduce(inter, nbytes, n),
+            "intra_broadcast": _rooted(model.intra, nbytes, g),
+        }
+    else:
+        raise ValueError(f"algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    phases["total"] = sum(phases.values())
+    return phases
+
+
+def predict_all(model: Model, layout: Layout, nbytes: float) -> dict[str, float]:
+    return {alg: predict(model, alg, layout, nbytes)["total"] for alg in ALGORITHMS}
+
+
+def _fit(points: list[tuple[float, float, float]]) -> Level:
+    """Least squares t = a * steps + b * bytes over (steps, bytes, seconds) points, a, b >= 0."""
+    s_ss = sum(s * s for s, _, _ in points)
+    s_bb = sum(b * b for _, b, _ in points)
+    s_sb = sum(s * b for s, b, _ in points)
+    s_st = sum(s * t for s, _, t in points)
+    s_bt = sum(b * t for _, b, t in points)
+    det = s_ss * s_bb - s_sb * s_sb
+    if len(points) < 2 or det <= 0:
+        raise ValueError("calibration needs at least two message sizes per level")
+    alpha = (s_st * s_bb - s_bt * s_sb) / det
+    beta = (s_ss * s_bt - s_sb * s_st) / det
+    if alpha < 0:  # latency below resolution: fit bandwidth alone
+        alpha, beta = 0.0, s_bt / s_bb
+    return Level(alpha, max(beta, 0.0))
+
+
+def calibrate(reports: Iterable[dict[str, Any]], nics_per_node: int = 1) -> Model:
+    """Fit each level from the per-phase times of ``hierarchical`` rows in bench reports.
+
+    Intra: ``intra_reduce`` over g ranks, (g-1) steps, (g-1)/g S bytes.
+    Inter: ``inter_allreduce`` over n leaders, 2(n-1) steps, 2(n-1)/n S bytes.
+    """
+    intra: list[tuple[float, float, float]] = []
+    inter: list[tuple[float, float, float]] = []
+    for report in reports:
+        layout = Layout(tuple(report["node_sizes"]))
+        n, g = layout.nnodes, layout.node_sizes[0]
+        for row in report["results"]:
+            if row["runs_as"] != "hierarchical":
+                continue
+            phases, size = row["phases_s"], row["bytes"]
+            if g > 1 and "intra_reduce" in phases:
+                intra.append((g - 1, (g - 1) / g * size, phases["intra_reduce"]))
+            if n > 1 and "inter_allreduce" in phases:
+                inter.append((2 * (n - 1), 2 * (n - 1) / n * size, phases["inter_allreduce"]))
+    return Model(_fit(intra), _fit(inter), nics_per_node)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hybrid.costmodel", description=__doc__.split("\n\n")[0])
+    p.add_argument("--layout", default="1024x8", help="NNODESxNPROC (default 1024x8)")
+    p.add_argument("--sizes", default="25M,100M,1G", help="message sizes, bytes or K/M/G (default 25M,100M,1G)")
+    p.add_argument("--intra-gbps", type=float, default=3600.0, help="intra-node Gbit/s (default 3600: NVLink-class)")
+    p.add_argument("--intra-alpha-us", type=float, default=2.0, help="intra-node latency per step, us (default 2)")
+    p.add_argument("--inter-gbps", type=float, default=400.0, help="inter-node Gbit/s per NIC (default 400)")
+    p.add_argument("--inter-alpha-us", type=float, default=5.0, help="inter-node latency per step, us (default 5)")
+    p.add_argument("--nics-per-node", type=int, default=1, help="NICs per node (default 1)")
+    p.add_argument("--calibrate", nargs="+", metavar="BENCH_JSON", help="fit both levels from hybrid.bench results")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hybrid.bench import _human, parse_size
+
+    p = _parser()
+    args = p.parse_args(argv)
+    try:
+        layout = Layout.parse(args.layout)
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+        if args.calibrate:
+            model = calibrate([json.loads(Path(f).read_text()) for f in args.calibrate], args.nics_per_node)
+        else:
+            if min(args.intra_gbps, args.inter_gbps) <= 0 or min(args.intra_alpha_us, args.inter_alpha_us) < 0:
+                raise ValueError("bandwidths must be > 0 and latencies >= 0")
+            model = Model(Level.from_bandwidth(args.intra_alpha_us, args.intra_gbps),
+                          Level.from_bandwidth(args.inter_alpha_us, args.inter_gbps), args.nics_per_node)
+    except (ValueError, OSError, KeyError) as exc:
+        p.error(str(exc))
+    print(f"layout {layout} (world {layout.world_size}); model {json.dumps(asdict(model))}")
+    print(f"{'size':>8} {'flat ms':>12} {'hierarchical ms':>16} {'sharded ms':>12} {'best':>13} {'flat/best':>9}")
+    for size in sizes:
+        t = predict_all(model, layout, size)
+        best = min(t, key=t.get)
+        print(f"{_human(size):>8} {t['flat'] * 1e3:12.3f} {t['hierarchical'] * 1e3:16.3f} "
+              f"{t['sharded'] * 1e3:12.3f} {best:>13} {t['flat'] / t[best]:9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""hybrid.report on a sweep directory laid out as Hydra writes it (jobs made up here)."""
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+
+from omegaconf import OmegaConf
+
+from hybrid.config import ClusterConfig, CommConfig, ModelConfig, TrainConfig
+
+MB25 = 25 * 2**20
+
+
+def make_job(root, num, nnodes, nproc, comm, comm_s=None, step_s=1.0, finished=True):
+    job = root / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    cfg = TrainConfig(cluster=ClusterConfig(nnodes, nproc), comm=CommConfig(algorithm=comm),
+                      model=ModelConfig(width=1024, depth=6))
+    OmegaConf.save(OmegaConf.structured(cfg), job / ".hydra" / "config.yaml")
+    if finished:
+        phases = {"flat_allreduce": 0.0, "intra_reduce": 0.0, "inter_allreduce": 0.0, "intra_broadcast": 0.0}
+        phases.update(comm_s or {})
+        (job / "metrics.json").write_text(json.dumps({
+            "steps": 10, "steps_run": 10, "comm_s": {k: v * 10 for k, v in phases.items()},
+            "bytes": {k: 0 for k in phases}, "mean_step_s": step_s, "samples_per_s": 256 / step_s,
+            "param_bytes": MB25, "final_loss": 1.0}))
+
+
+def test_report_tables_speedups_failures_and_plot(tmp_path):
+    # Per step: flat 0.8 s of communication; hierarchical 0.5 s; sharded 0.45 s.
+    make_job(tmp_path, 0, 2, 4, "flat", {"flat_allreduce": 0.8}, step_s=1.2)
+    make_job(tmp_path, 1, 2, 4, "hierarchical", {"intra_reduce": 0.1, "inter_allreduce": 0.3, "intra_broadcast": 0.1},
+             step_s=0.9)
+    make_job(tmp_path, 2, 2, 4, "sharded", {"intra_reduce": 0.1, "inter_allreduce": 0.25, "intra_broadcast": 0.1},
+             step_s=0.85)
+    make_job(tmp_path, 3, 4, 2, "hierarchical", {"intra_reduce": 0.05, "inter_allreduce": 0.5, "intra_broadcast": 0.05})
+    make_job(tmp_path, 4, 2, 4, "ddp", step_s=1.3)
+    make_job(tmp_path, 5, 4, 2, "flat", finished=False)  # failed or still running
+    out = subprocess.run([sys.executable, "-m", "hybrid.report", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = (tmp_path / "report.md").read_text()
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[1:-1]]
+            for line in report.splitlines() if line.startswith("| 2x4") or line.startswith("| 4x2")}
+    assert rows[("2x4", "hierarchical")][9] == "1.60"  # comm speed-up: 0.8 / 0.5
+    assert rows[("2x4", "sharded")][9] == "1.78"
+    assert rows[("2x4", "hierarchical")][10] == "1.33"  # step speed-up: 1.2 / 0.9
+    assert rows[("2x4", "ddp")][7] == "-"  # torch runs DDP's all-reduce: no phase counters
+    assert "5: 4x2 flat mlp w1024 d6" in report  # listed, not dropped
+    assert "Median absolute prediction error" in report and "Calibrated cost model" in report
+    assert (tmp_path / "report.png").stat().st_size > 1000
+    assert "5/6 jobs finished" in out.stdout
+
+
+def test_report_rejects_a_directory_without_jobs(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "hybrid.report", str(tmp_path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "holds no Hydra jobs" in out.stderr
