@@ -56,6 +56,7 @@ class BenchOptions:
     intra_backend: str = "auto"
     inter_backend: str = "auto"
     timeout_s: float = 300.0
+    chunk_mb: float = 4.0
 
 
 def _time_one(fn: Any, tensor: Any, opts: BenchOptions, counters: Any) -> dict[str, Any]:
@@ -112,7 +113,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
                     fn, runs_as = (lambda t: dist.all_reduce(t)), "torch"
                 else:
                     counters = PhaseCounters()
-                    comm = make_communicator(alg, groups, counters)
+                    comm = make_communicator(alg, groups, counters, max(1, int(opts.chunk_mb * 2**20)))
                     fn, runs_as = comm.all_reduce_mean_, comm.name
                 timing = _time_one(fn, tensor, opts, counters)
                 nbytes = tensor.nbytes
@@ -168,6 +169,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="element type (default float32)")
     p.add_argument("--intra-backend", default="auto", choices=("auto", "gloo", "nccl"))
     p.add_argument("--inter-backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--chunk-mb", type=float, default=4.0,
+                   help="pipeline piece size of the two-level algorithms, MiB (default 4)")
     p.add_argument("--testbed-mbit", type=float, default=0.0,
                    help="run each node in its own network namespace behind a NIC shaped to this many Mbit/s "
                         "(needs root; default 0 = all nodes on loopback)")
@@ -194,10 +197,12 @@ def _options(args: argparse.Namespace, p: argparse.ArgumentParser) -> BenchOptio
         p.error(f"--iters {args.iters} must be >= 1 and --warmup {args.warmup} >= 0")
     if args.timeout <= 0:
         p.error(f"--timeout {args.timeout} must be > 0 seconds")
+    if not args.chunk_mb > 0:
+        p.error(f"--chunk-mb {args.chunk_mb} must be > 0")
     if args.testbed_mbit < 0:
         p.error(f"--testbed-mbit {args.testbed_mbit} must be >= 0 (0: no testbed)")
     return BenchOptions(layout, sizes, algorithms, args.iters, args.warmup, args.dtype,
-                        args.intra_backend, args.inter_backend, args.timeout)
+                        args.intra_backend, args.inter_backend, args.timeout, args.chunk_mb)
 
 
 def _default_output(layout: str) -> Path:

@@ -147,7 +147,8 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
     try:
         if cfg.comm.algorithm != "ddp":
             groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend, cfg.comm.timeout_s)
-            hook = register_comm_hook(ddp, make_communicator(cfg.comm.algorithm, groups, counters))
+            comm = make_communicator(cfg.comm.algorithm, groups, counters, cfg.comm.chunk_bytes)
+            hook = register_comm_hook(ddp, comm)
         return _loop(cfg, ddp, optimizer, scheduler, stream, counters, metrics, run_path, topology,
                      device, start_step, rank)
     finally:

@@ -25,7 +25,9 @@ def test_every_group_option_composes_into_typed_settings(group, option, tmp_path
     if (group, option) == ("data", "files"):
         (tmp_path / "x.npy").write_bytes(b"")
         extra = [f"data.inputs={tmp_path / 'x.npy'}"]
-    settings = OmegaConf.to_object(compose_with(f"{group}={option}", *extra))
+    # experiment/ is not in the defaults list: it is added with +experiment=...
+    prefix = "+" if group == "experiment" else ""
+    settings = OmegaConf.to_object(compose_with(f"{prefix}{group}={option}", *extra))
     assert isinstance(settings, TrainConfig)
     validate(settings)
 

@@ -27,7 +27,12 @@ import torch
 from hybrid.comm.counters import PhaseCounters
 from hybrid.comm.groups import CommGroups
 
-__all__ = ["CommError", "Communicator", "LOW_PRECISION", "SUPPORTED_DTYPES"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "CommError", "Communicator", "LOW_PRECISION", "SUPPORTED_DTYPES"]
+
+# Two-level algorithms cut large tensors into pieces of this size and pipeline
+# them: piece k crosses the network while piece k+1 is still being reduced
+# inside the node and piece k-1 is being broadcast back.
+DEFAULT_CHUNK_BYTES = 4 * 2**20
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -46,10 +51,25 @@ class Communicator(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None) -> None:
+    def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be >= 1")
         self.groups = groups
         self.topology = groups.topology
         self.counters = counters if counters is not None else PhaseCounters()
+        self.chunk_bytes = chunk_bytes
+
+    def _chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Pipeline pieces of ``flat`` (views), each at most ``chunk_bytes`` long."""
+        per_chunk = max(1, self.chunk_bytes // flat.element_size())
+        return list(torch.split(flat, per_chunk))
+
+    def _wait(self, phase: str, works: list, nbytes: int) -> None:
+        """Block until ``works`` finish; the wait counts as time spent in ``phase``."""
+        with self._phase(phase, nbytes):
+            for work in works:
+                work.wait()
 
     def all_reduce_mean_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Replace ``tensor`` by its mean over all ranks and return it."""

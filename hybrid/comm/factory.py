@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from hybrid.comm.base import Communicator
+from hybrid.comm.base import DEFAULT_CHUNK_BYTES, Communicator
 from hybrid.comm.counters import PhaseCounters
 from hybrid.comm.flat import FlatCommunicator
 from hybrid.comm.groups import CommGroups
@@ -21,7 +21,8 @@ ALGORITHMS: dict[str, type[Communicator]] = {
 
 
 def make_communicator(
-    algorithm: str, groups: CommGroups, counters: PhaseCounters | None = None
+    algorithm: str, groups: CommGroups, counters: PhaseCounters | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Communicator:
     """Build the named algorithm over ``groups``.
 
@@ -38,4 +39,4 @@ def make_communicator(
             list(topo.node_sizes),
         )
         algorithm = "hierarchical"
-    return ALGORITHMS[algorithm](groups, counters)
+    return ALGORITHMS[algorithm](groups, counters, chunk_bytes)

@@ -4,6 +4,13 @@ Only one rank per node touches the inter-node network, and it sends the full
 tensor once through a ring of ``nnodes`` leaders: 2(n-1)/n * S bytes per NIC
 instead of the 2(N-1)/N * S a flat ring of all N ranks pushes through the NIC
 of every node.
+
+Large tensors are pipelined in pieces of ``chunk_bytes``: the leader starts
+the inter-node all-reduce of piece k as soon as piece k is reduced inside the
+node, and broadcasts it as soon as it is back, so the intra-node phases hide
+behind the (slower) inter-node one. Each group sees its collectives in the
+same order on every rank: all reduces, then all broadcasts (intra), and the
+all-reduces in piece order (leaders).
 """
 
 from __future__ import annotations
@@ -22,17 +29,28 @@ class HierarchicalCommunicator(Communicator):
 
     def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
         topo, groups = self.topology, self.groups
-        local = topo.local_world_size
-        nbytes = flat.nbytes
+        local, nnodes = topo.local_world_size, topo.nnodes
+        chunks = self._chunks(flat)
+        reduces = []
         if local > 1:
-            with self._phase("intra_reduce", rooted_bytes(nbytes, local)):
-                dist.reduce(flat, dst=topo.leader, group=groups.intra)
+            reduces = [dist.reduce(c, dst=topo.leader, group=groups.intra, async_op=True) for c in chunks]
         if topo.is_leader:
-            if topo.nnodes > 1:
-                with self._phase("inter_allreduce", allreduce_bytes(nbytes, topo.nnodes)):
-                    dist.all_reduce(flat, group=groups.leaders)
-            if divisor is not None:
-                flat.div_(divisor)
-        if local > 1:
-            with self._phase("intra_broadcast", rooted_bytes(nbytes, local)):
-                dist.broadcast(flat, src=topo.leader, group=groups.intra)
+            allreduces = []
+            for i, chunk in enumerate(chunks):
+                if reduces:
+                    self._wait("intra_reduce", [reduces[i]], rooted_bytes(chunk.nbytes, local))
+                if nnodes > 1:
+                    allreduces.append(dist.all_reduce(chunk, group=groups.leaders, async_op=True))
+            broadcasts = []
+            for i, chunk in enumerate(chunks):
+                if allreduces:
+                    self._wait("inter_allreduce", [allreduces[i]], allreduce_bytes(chunk.nbytes, nnodes))
+                if divisor is not None:
+                    chunk.div_(divisor)
+                if local > 1:
+                    broadcasts.append(dist.broadcast(chunk, src=topo.leader, group=groups.intra, async_op=True))
+        else:
+            self._wait("intra_reduce", reduces, rooted_bytes(flat.nbytes, local))
+            broadcasts = [dist.broadcast(c, src=topo.leader, group=groups.intra, async_op=True) for c in chunks]
+        if broadcasts:
+            self._wait("intra_broadcast", broadcasts, rooted_bytes(flat.nbytes, local))

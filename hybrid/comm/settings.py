@@ -22,6 +22,11 @@ class CommSettings:
     intra_backend: str = "auto"
     inter_backend: str = "auto"
     timeout_s: float = 300.0
+    pipeline_chunk_mb: float = 4.0  # two-level algorithms pipeline large buckets in pieces of this size
+
+    @property
+    def chunk_bytes(self) -> int:
+        return max(1, int(self.pipeline_chunk_mb * 2**20))
 
     def __post_init__(self) -> None:
         if self.algorithm not in COMM_CHOICES:
@@ -32,5 +37,7 @@ class CommSettings:
                 raise ValueError(f"comm.{level}_backend={value!r} is not one of {', '.join(BACKENDS)}")
         if not self.bucket_mb > 0:
             raise ValueError(f"comm.bucket_mb={self.bucket_mb} must be > 0 (MiB per DDP bucket)")
+        if not self.pipeline_chunk_mb > 0:
+            raise ValueError(f"comm.pipeline_chunk_mb={self.pipeline_chunk_mb} must be > 0")
         if not self.timeout_s > 0:
             raise ValueError(f"comm.timeout_s={self.timeout_s} must be > 0 seconds")
