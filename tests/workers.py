@@ -112,6 +112,17 @@ def case_collectives(topo: Topology, groups: CommGroups, params: dict) -> dict[s
                 torch.float16, world, 40000
             ):
                 failures.append(f"{alg}/fp16 overflow rank {topo.rank}: got {got.tolist()}")
+    # Tiny pipeline pieces (3 fp32 / 1.5 fp64 elements): many pieces, shards of 0 or 1 element.
+    for alg in ("hierarchical", "sharded"):
+        comm = make_communicator(alg, groups, chunk_bytes=12)
+        for dtype in (torch.float32, torch.float64):
+            for size in (0, 1, 7, 100):
+                gen = torch.Generator().manual_seed(31 * topo.rank + size)
+                x = torch.randint(-20, 21, (size,), generator=gen).to(dtype)
+                got = comm.all_reduce_mean_(x.clone())
+                digests.append(digest(got))
+                if not torch.equal(got, flat_reference(x)):
+                    failures.append(f"{alg}/chunk12/{dtype}/n={size} rank {topo.rank}: differs from flat all-reduce")
     if not same_on_all_ranks(digests):
         failures.append(f"rank {topo.rank}: results differ between ranks")
     return {"failures": failures, "runs_as": runs_as}
