@@ -154,29 +154,34 @@ def write_report(sweep_dir: Path, jobs: list[Job], model: Model | None, out_md: 
 
 
 def _plot(jobs: list[Job], out_png: Path) -> None:
+    """Per model size: step time of every comm (top) and communication time per step (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = sorted({j.model for j in jobs if j.ok})
-    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(6 * max(1, len(models)), 4), squeeze=False)
-    for ax, model_name in zip(axes[0], models):
+    models = sorted({j.model for j in jobs if j.ok}) or ["(no finished jobs)"]
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 7), squeeze=False)
+    for col, model_name in enumerate(models):
         done = [j for j in jobs if j.ok and j.model == model_name]
         shapes = sorted({j.layout for j in done}, key=lambda l: (l.world_size, l.nnodes))
-        for comm in ("flat", "hierarchical", "sharded", "ddp"):
-            points = [(shapes.index(j.layout), j.metrics["mean_step_s"] * 1e3 if comm == "ddp" else j.comm_per_step_s * 1e3)
-                      for j in done if j.comm == comm]
-            if points:
-                xs, ys = zip(*sorted(points))
-                ax.plot(xs, ys, marker="o", label=f"{comm} ({'step' if comm == 'ddp' else 'comm'} time)")
-        ax.set_xticks(range(len(shapes)), [str(s) for s in shapes])
-        ax.set_xlabel("cluster shape (nodes x workers)")
-        ax.set_ylabel("ms per step")
-        ax.set_title(model_name)
-        ax.legend(fontsize=8)
+        for row, (label, value) in enumerate((("step time", lambda j: j.metrics["mean_step_s"]),
+                                              ("communication time", lambda j: j.comm_per_step_s))):
+            ax = axes[row][col]
+            for comm in ("flat", "hierarchical", "sharded", "ddp"):
+                if comm == "ddp" and row == 1:
+                    continue  # torch runs DDP's own all-reduce: no phase counters
+                points = sorted((shapes.index(j.layout), value(j) * 1e3) for j in done if j.comm == comm)
+                if points:
+                    xs, ys = zip(*points)
+                    ax.plot(xs, ys, marker="o", label=comm)
+            ax.set_xticks(range(len(shapes)), [str(s) for s in shapes])
+            ax.set_xlabel("cluster shape (nodes x workers)")
+            ax.set_ylabel(f"{label}, ms per step")
+            ax.set_title(f"{model_name}: {label}")
+            ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
+    fig.savefig(out_png, dpi=90)
     plt.close(fig)
 
 
