@@ -111,8 +111,9 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, needle, tmp_path)
 def test_help_lists_the_config_groups(tmp_path):
     out = hybrid_train("--help", cwd=tmp_path, timeout=60)
     assert out.returncode == 0
-    for line in ("cluster: local", "comm: ddp, flat, hierarchical, sharded", "model: cnn, mlp, transformer",
-                 "data: files, synthetic", "optim: adamw, sgd", "trainer: default"):
+    for line in ("cluster: 1x2, 1x4, 2x1, 2x2, 2x4, 4x1, 4x2, local", "comm: ddp, flat, hierarchical, sharded",
+                 "model: cnn, mlp, transformer", "data: files, synthetic", "optim: adamw, sgd", "trainer: default",
+                 "experiment: flat_vs_hier, flat_vs_hier_small"):
         assert line in out.stdout
 
 
