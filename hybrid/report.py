@@ -140,7 +140,7 @@ def write_report(sweep_dir: Path, jobs: list[Job], model: Model | None, out_md: 
             step_up = flat.metrics["mean_step_s"] / job.metrics["mean_step_s"] if flat else None
             lines.append(
                 f"| {job.layout} | {job.comm} | {_fmt(job.metrics['mean_step_s'])} | "
-                + " | ".join(_fmt(job.phase_s(p)) for p in PHASE_COLUMNS)
+                + " | ".join("-" if job.comm == "ddp" else _fmt(job.phase_s(p)) for p in PHASE_COLUMNS)
                 + f" | {_fmt(job.comm_per_step_s) if job.comm != 'ddp' else '-'} | {job.metrics['samples_per_s']:.0f} | "
                 f"{_fmt(comm_up, 1, 2)} | {_fmt(step_up, 1, 2)} | {_fmt(job.predicted_s)} | "
                 f"{_fmt(job.extra.get('error'), 100, 0) + '%' if 'error' in job.extra else '-'} |")
