@@ -23,10 +23,9 @@ __all__ = ["check_resume", "precheck"]
 def check_resume(resume: object, run_dir: Path | None) -> None:
     """The run to resume must exist before any worker starts."""
     from hybrid.checkpoint import CHECKPOINT_NAME
-    from hybrid.config import resume_target
+    from hybrid.config import resume_continues_this_run, resume_target
 
-    continue_here = resume is True or str(resume).lower() in ("true", "yes")
-    if continue_here and run_dir is None:
+    if resume_continues_this_run(resume) and run_dir is None:
         raise ValueError(
             "trainer.resume=true continues the run in hydra.run.dir: also give "
             "hydra.run.dir=<the earlier run's directory> (or trainer.resume=<that directory>)"

@@ -28,6 +28,7 @@ __all__ = [
     "TrainConfig",
     "TestbedConfig",
     "TrainerConfig",
+    "resume_continues_this_run",
     "resume_target",
     "validate",
 ]
@@ -137,11 +138,16 @@ def _at_least(key: str, value: Any, low: float) -> None:
         raise ValueError(f"{key}={value!r} must be >= {low:g}")
 
 
+def resume_continues_this_run(value: Any) -> bool:
+    """``trainer.resume=true``: continue the run in this run dir (not a path to another one)."""
+    return value is True or str(value).lower() in ("true", "yes")
+
+
 def resume_target(value: Any, run_dir: Path) -> Path | None:
     """``trainer.resume`` as a run directory: None (fresh), this run dir (true) or a given path."""
     if value is None or value is False or str(value).lower() in ("false", "", "none", "no"):
         return None
-    if value is True or str(value).lower() in ("true", "yes"):
+    if resume_continues_this_run(value):
         return run_dir
     return Path(str(value)).expanduser().resolve()
 
