@@ -8,7 +8,21 @@ with nccl-tests' definitions (algbw = bytes / time; busbw = algbw x 2(n-1)/n,
 n = world size), and the per-phase times, and writes everything to JSON.
 
 Each iteration starts after a barrier and its time is the slowest rank's, so
-a fast rank cannot hide a slow one.
+a fast rank cannot hide a slow one. The algorithms take turns iteration by
+iteration (flat, torch, flat, torch, ...), so a drift of the machine (another
+process, thermal, page cache) hits all of them alike, and the table prints
+each one's ratio to the bare ``torch`` all-reduce measured in the same run.
+
+On the testbed (``--testbed-mbit``) every node's leader also reads its NIC's
+transmit counter (``/proc/net/dev``) around each iteration: the bytes that
+really crossed the shaped link, and the link utilisation
+``bytes * 8 / time / rate``. The ``sharded-inter`` row times the inter-node
+phase of ``sharded`` alone (every worker all-reduces its 1/g shard over its
+cross group, all in parallel), the figure the link utilisation target is
+about.
+
+``python -m hybrid.bench train ...`` is the other mode: it runs the trainer
+itself per configuration (:mod:`hybrid.bench_train`).
 """
 
 from __future__ import annotations
@@ -29,7 +43,8 @@ from hybrid.topology import Layout
 
 __all__ = ["BenchOptions", "main", "parse_size", "run_bench"]
 
-ALGORITHM_CHOICES = ("flat", "hierarchical", "sharded", "torch")
+ALGORITHM_CHOICES = ("flat", "hierarchical", "sharded", "torch", "sharded-inter")
+DEFAULT_ALGORITHMS = ("flat", "hierarchical", "sharded", "torch")
 DTYPE_CHOICES = ("float32", "float64", "bfloat16", "float16")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -49,7 +64,7 @@ def parse_size(text: str) -> int:
 class BenchOptions:
     layout: str = "2x2"
     sizes: list[int] = field(default_factory=lambda: [2**20, 25 * 2**20])
-    algorithms: list[str] = field(default_factory=lambda: list(ALGORITHM_CHOICES))
+    algorithms: list[str] = field(default_factory=lambda: list(DEFAULT_ALGORITHMS))
     iters: int = 10
     warmup: int = 2
     dtype: str = "float32"
@@ -57,34 +72,87 @@ class BenchOptions:
     inter_backend: str = "auto"
     timeout_s: float = 300.0
     chunk_mb: float = 4.0
+    link_mbit: float = 0.0  # the testbed's shaping; 0 = loopback, no NIC counters
 
 
-def _time_one(fn: Any, tensor: Any, opts: BenchOptions, counters: Any) -> dict[str, Any]:
+def nic_tx_bytes(ifname: str) -> int:
+    """Bytes ``ifname`` has transmitted, from this network namespace's ``/proc/net/dev``."""
+    for line in Path("/proc/net/dev").read_text().splitlines()[2:]:
+        name, _, fields = line.partition(":")
+        if name.strip() == ifname:
+            return int(fields.split()[8])
+    raise ValueError(f"network interface {ifname!r} not found in /proc/net/dev")
+
+
+def _time_all(fns: dict[str, Any], tensor: Any, opts: BenchOptions, counters: dict[str, Any],
+              nic: str | None) -> dict[str, dict[str, Any]]:
+    """Time every algorithm in ``fns`` on ``tensor``, taking turns iteration by iteration.
+
+    Collective. On the testbed (``opts.link_mbit``) the ranks given a ``nic``
+    (node leaders) count the bytes it transmits per iteration.
+    """
     import torch
     import torch.distributed as dist
 
-    for _ in range(opts.warmup):
-        tensor.fill_(1)
-        fn(tensor)
-    if counters is not None:
-        counters.reset()
-    times = []
-    for _ in range(opts.iters):
-        tensor.fill_(1)
-        dist.barrier()
-        start = time.perf_counter()
-        fn(tensor)
-        times.append(time.perf_counter() - start)
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    phases: dict[str, float] = {}
-    if counters is not None:
-        snap = counters.snapshot()
-        names = sorted(snap)
-        per_phase = torch.tensor([snap[n].seconds / opts.iters for n in names], dtype=torch.float64)
-        dist.all_reduce(per_phase, op=dist.ReduceOp.MAX)
-        phases = {n: float(s) for n, s in zip(names, per_phase) if snap[n].calls or s > 0}
-    return {"times_s": slowest.tolist(), "median_s": statistics.median(slowest.tolist()), "phases_s": phases}
+    for fn in fns.values():
+        for _ in range(opts.warmup):
+            tensor.fill_(1)
+            fn(tensor)
+    for c in counters.values():
+        c.reset()
+    names = list(fns)
+    times = {name: [] for name in names}
+    sent = {name: [] for name in names}
+    for it in range(opts.iters):
+        # Alternate the order too, so no algorithm always runs first after the others.
+        for name in names if it % 2 == 0 else names[::-1]:
+            tensor.fill_(1)
+            dist.barrier()
+            tx = nic_tx_bytes(nic) if nic else 0
+            start = time.perf_counter()
+            fns[name](tensor)
+            times[name].append(time.perf_counter() - start)
+            if opts.link_mbit:
+                dist.barrier()  # every rank is done: all of this op's bytes have crossed
+                sent[name].append(nic_tx_bytes(nic) - tx if nic else 0)
+    out = {}
+    for name in names:
+        slowest = torch.tensor(times[name], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        phases: dict[str, float] = {}
+        if name in counters:
+            snap = counters[name].snapshot()
+            keys = sorted(snap)
+            per_phase = torch.tensor([snap[k].seconds / opts.iters for k in keys], dtype=torch.float64)
+            dist.all_reduce(per_phase, op=dist.ReduceOp.MAX)
+            phases = {k: float(v) for k, v in zip(keys, per_phase) if snap[k].calls or v > 0}
+        row = {"times_s": slowest.tolist(), "median_s": statistics.median(slowest.tolist()), "phases_s": phases}
+        if opts.link_mbit:
+            # Only node leaders read their NIC; the busiest NIC is the bottleneck.
+            nic_bytes = torch.tensor(sent[name], dtype=torch.float64)
+            dist.all_reduce(nic_bytes, op=dist.ReduceOp.MAX)
+            per_iter = nic_bytes.tolist()
+            link_bps = opts.link_mbit * 1e6
+            util = [b * 8 / t / link_bps for b, t in zip(per_iter, row["times_s"])]
+            row.update(nic_tx_bytes=statistics.median(per_iter), link_utilisation=statistics.median(util))
+        out[name] = row
+    return out
+
+
+def _inter_phase_only(groups: Any) -> Any:
+    """The inter-node phase of ``sharded`` alone: each worker all-reduces its 1/g shard, in parallel."""
+    import torch
+    import torch.distributed as dist
+
+    topo = groups.topology
+
+    def run(tensor: Any) -> Any:
+        shard = torch.tensor_split(tensor.view(-1), topo.local_world_size)[topo.local_rank]
+        if topo.nnodes > 1 and shard.numel():
+            dist.all_reduce(shard, group=groups.cross)
+        return tensor
+
+    return run
 
 
 def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
@@ -105,23 +173,33 @@ def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
         dtype = getattr(torch, opts.dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()
         rows = []
+        nic = os.environ.get("GLOO_SOCKET_IFNAME") if opts.link_mbit and topo.is_leader else None
+        if "sharded-inter" in opts.algorithms and groups.cross is None:
+            raise ValueError(f"sharded-inter needs nodes of equal size, got {list(topo.node_sizes)}")
         for size in opts.sizes:
             tensor = torch.empty(max(1, size // itemsize), dtype=dtype, device=device)
+            fns, counters, runs_as = {}, {}, {}
             for alg in opts.algorithms:
-                counters = None
                 if alg == "torch":
-                    fn, runs_as = (lambda t: dist.all_reduce(t)), "torch"
+                    fns[alg], runs_as[alg] = (lambda t: dist.all_reduce(t)), "torch"
+                elif alg == "sharded-inter":
+                    fns[alg], runs_as[alg] = _inter_phase_only(groups), alg
                 else:
-                    counters = PhaseCounters()
-                    comm = make_communicator(alg, groups, counters, max(1, int(opts.chunk_mb * 2**20)))
-                    fn, runs_as = comm.all_reduce_mean_, comm.name
-                timing = _time_one(fn, tensor, opts, counters)
+                    counters[alg] = PhaseCounters()
+                    comm = make_communicator(alg, groups, counters[alg], max(1, int(opts.chunk_mb * 2**20)))
+                    fns[alg], runs_as[alg] = comm.all_reduce_mean_, comm.name
+            timings = _time_all(fns, tensor, opts, counters, nic)
+            for alg in opts.algorithms:
+                timing = timings[alg]
                 nbytes = tensor.nbytes
                 algbw = nbytes / timing["median_s"] / 1e9
                 world = topo.world_size
                 busbw = algbw * 2 * (world - 1) / world if world > 1 else 0.0
-                rows.append({"bytes": nbytes, "algorithm": alg, "runs_as": runs_as,
+                rows.append({"bytes": nbytes, "algorithm": alg, "runs_as": runs_as[alg],
                              "algbw_GBps": algbw, "busbw_GBps": busbw, **timing})
+            if "torch" in timings:
+                for row in rows[-len(opts.algorithms):]:
+                    row["vs_torch"] = row["median_s"] / timings["torch"]["median_s"]
         if env.rank != 0:
             return None
         return {
@@ -137,13 +215,25 @@ def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
 def format_table(report: dict[str, Any]) -> str:
     head = (f"layout {report['layout']} (world {report['world_size']}), {report['dtype']} on "
             f"{report['device']}, intra={report['intra_backend']} inter={report['inter_backend']}")
-    cols = f"{'size':>10} {'algorithm':>13} {'time ms':>9} {'algbw GB/s':>10} {'busbw GB/s':>10}  phases ms"
+    link = report.get("testbed_link_mbit")
+    if link:
+        head += f", testbed NICs shaped to {link:g} Mbit/s"
+    cols = (f"{'size':>10} {'algorithm':>13} {'time ms':>9} {'vs torch':>8} {'algbw GB/s':>10} {'busbw GB/s':>10}"
+            + (f" {'NIC MB':>8} {'link use':>8}" if link else "") + "  phases ms")
     lines = [head, cols]
     for row in report["results"]:
         phases = " ".join(f"{k}={v * 1e3:.2f}" for k, v in row["phases_s"].items())
         name = row["algorithm"] if row["runs_as"] == row["algorithm"] else f"{row['algorithm']}->{row['runs_as']}"
-        lines.append(f"{_human(row['bytes']):>10} {name:>13} {row['median_s'] * 1e3:9.2f} "
-                     f"{row['algbw_GBps']:10.3f} {row['busbw_GBps']:10.3f}  {phases}")
+        ratio = f"{row['vs_torch']:8.3f}" if "vs_torch" in row else f"{'-':>8}"
+        nic = (f" {row['nic_tx_bytes'] / 1e6:8.2f} {row['link_utilisation']:8.1%}"
+               if "link_utilisation" in row else "")
+        lines.append(f"{_human(row['bytes']):>10} {name:>13} {row['median_s'] * 1e3:9.2f} {ratio} "
+                     f"{row['algbw_GBps']:10.3f} {row['busbw_GBps']:10.3f}{nic}  {phases}")
+    lines.append("vs torch: median time / the bare torch.distributed.all_reduce's median in the same run "
+                 "(sum only; the algorithms also average)")
+    if link:
+        lines.append("NIC MB: bytes the busiest node's NIC transmitted per call (/proc/net/dev, headers "
+                     "included); link use: NIC bits / time / shaped rate")
     return "\n".join(lines)
 
 
@@ -158,12 +248,15 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hybrid.bench",
         description="Time flat / hierarchical / sharded all-reduce against torch.distributed.all_reduce.",
-        epilog="Under torchrun the job's own layout is used and --layout must match it (or be omitted).",
+        epilog="Under torchrun the job's own layout is used and --layout must match it (or be omitted). "
+               "'python -m hybrid.bench train --help': the trainer benchmark.",
     )
     p.add_argument("--layout", default=None, help="NNODESxNPROC (e.g. 2x4) or uneven node sizes (e.g. 3,1); default 2x2")
     p.add_argument("--sizes", default="1M,25M", help="comma-separated message sizes, bytes or K/M/G (default 1M,25M)")
-    p.add_argument("--algorithms", default=",".join(ALGORITHM_CHOICES),
-                   help=f"comma-separated subset of {','.join(ALGORITHM_CHOICES)} (default: all)")
+    p.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
+                   help=f"comma-separated subset of {','.join(ALGORITHM_CHOICES)} "
+                        f"(default: {','.join(DEFAULT_ALGORITHMS)}); sharded-inter is sharded's inter-node "
+                        "phase alone")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per size and algorithm (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="element type (default float32)")
@@ -202,7 +295,7 @@ def _options(args: argparse.Namespace, p: argparse.ArgumentParser) -> BenchOptio
     if args.testbed_mbit < 0:
         p.error(f"--testbed-mbit {args.testbed_mbit} must be >= 0 (0: no testbed)")
     return BenchOptions(layout, sizes, algorithms, args.iters, args.warmup, args.dtype,
-                        args.intra_backend, args.inter_backend, args.timeout, args.chunk_mb)
+                        args.intra_backend, args.inter_backend, args.timeout, args.chunk_mb, args.testbed_mbit)
 
 
 def _default_output(layout: str) -> Path:
@@ -211,6 +304,11 @@ def _default_output(layout: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        from hybrid.bench_train import main as train_main
+
+        return train_main(argv[1:])
     p = _parser()
     args = p.parse_args(argv)
     opts = _options(args, p)
@@ -220,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank0 and output.exists() and not args.overwrite:
         p.error(f"--output {output} exists: pass --overwrite or choose another path")
     if under_torchrun:
+        if args.testbed_mbit:
+            p.error(f"--testbed-mbit {args.testbed_mbit:g} starts its own nodes: run it without torchrun")
         if args.layout is not None:
             from hybrid.topology import WorkerEnv, check_world_size
             check_world_size(Layout.parse(args.layout), WorkerEnv.from_env().world_size)

@@ -17,7 +17,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-__all__ = ["check_resume", "precheck"]
+__all__ = ["check_resume", "one_line_error", "precheck"]
 
 
 def check_resume(resume: object, run_dir: Path | None) -> None:
@@ -49,7 +49,7 @@ def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return task, hydra_overrides
 
 
-def _one_line(exc: BaseException, conf_dir: Path) -> str:
+def one_line_error(exc: BaseException, conf_dir: Path) -> str:
     text = str(exc)
     missing = re.search(r"Could not find '([\w/]+)/([^']+)'", text)
     if missing:
@@ -85,7 +85,7 @@ def precheck(argv: list[str], conf_dir: Path | None = None) -> str | None:
         check_resume(settings.trainer.resume, Path(run_dir) if run_dir else None)
         prepare(settings)
     except (HydraException, OmegaConfBaseException) as exc:
-        return _one_line(exc, conf_dir)
+        return one_line_error(exc, conf_dir)
     except ValueError as exc:
         return str(exc).strip().splitlines()[0]
     return None

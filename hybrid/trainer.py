@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
+import resource
+import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -141,7 +143,8 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
         torch.set_rng_state(state["rng"])
         start_step = int(state["step"])
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=cfg.comm.bucket_mb, **_NO_BUFFER_SYNC)
+              bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
+              **_NO_BUFFER_SYNC)
     counters = PhaseCounters()
     hook = groups = None
     try:
@@ -220,18 +223,23 @@ def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, schedule
     checkpoint(last)
 
     checksum = param_checksum(ddp.module)
-    all_checksums: list[Any] = [None] * topology.world_size
-    dist.all_gather_object(all_checksums, checksum)
+    # Linux reports the peak resident set in KiB: the high-water mark of this worker process.
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    gathered: list[Any] = [None] * topology.world_size
+    dist.all_gather_object(gathered, (checksum, peak_rss_mb))
     if rank != 0:
         return None
+    all_checksums = [g[0] for g in gathered]
     timed = step_times[1:] or step_times  # the first step includes warm-up
     mean_step = sum(timed) / len(timed) if timed else float("nan")
+    median_step = statistics.median(timed) if timed else float("nan")
     result = {
         "comm": cfg.comm.algorithm, "nnodes": topology.nnodes,
         "nproc_per_node": topology.node_sizes[0] if topology.is_uniform else list(topology.node_sizes),
         "world_size": topology.world_size, "steps": last, "steps_run": len(step_times),
         "final_loss": loss_value, "samples_per_s": samples_per_step / mean_step if timed else float("nan"),
-        "mean_step_s": mean_step, "comm_s": {k: v[0] for k, v in totals.items()},
+        "mean_step_s": mean_step, "median_step_s": median_step, "samples_per_step": samples_per_step,
+        "peak_rss_mb": [g[1] for g in gathered], "comm_s": {k: v[0] for k, v in totals.items()},
         "bytes": {k: v[1] for k, v in totals.items()}, "param_checksum": checksum,
         "param_checksums_identical": len(set(all_checksums)) == 1, "param_bytes": param_bytes(ddp.module),
         "model": cfg.model.name, "bucket_mb": cfg.comm.bucket_mb, "batch_size": cfg.data.batch_size,

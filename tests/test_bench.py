@@ -1,12 +1,14 @@
 """python -m hybrid.bench: options, bad input, and a real (small) run."""
 
 import json
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from hybrid.bench import parse_size
+from hybrid.bench import nic_tx_bytes, parse_size
 
 
 def bench(*args, cwd=None, timeout=240):
@@ -60,8 +62,35 @@ def test_existing_output_is_not_overwritten(tmp_path):
     assert target.read_text() == "precious"
 
 
+def test_nic_tx_bytes_counts_what_crossed_the_interface():
+    payload = 2 * 2**20
+    server = socket.create_server(("127.0.0.1", 0))
+    received = []
+
+    def drain():
+        conn, _ = server.accept()
+        with conn:
+            while sum(received) < payload:
+                received.append(len(conn.recv(1 << 16)))
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    before = nic_tx_bytes("lo")
+    with socket.create_connection(server.getsockname()) as client:
+        client.sendall(b"x" * payload)
+        reader.join(timeout=30)
+    after = nic_tx_bytes("lo")
+    server.close()
+    assert sum(received) == payload
+    assert after - before >= payload  # payload plus TCP/IP headers (and whatever else used lo)
+    with pytest.raises(ValueError, match="'nope0'"):
+        nic_tx_bytes("nope0")
+
+
 def test_small_run_prints_table_and_writes_a_new_json_file(tmp_path):
-    out = bench("--layout", "2x1", "--sizes", "4K,64K", "--iters", "3", "--warmup", "1", cwd=tmp_path)
+    algorithms = ("flat", "hierarchical", "sharded", "torch", "sharded-inter")
+    out = bench("--layout", "2x1", "--sizes", "4K,64K", "--iters", "3", "--warmup", "1",
+                "--algorithms", ",".join(algorithms), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     written = list((tmp_path / "outputs" / "bench").glob("2x1-*.json"))
     assert len(written) == 1 and f"wrote {written[0].relative_to(tmp_path)}" in out.stdout
@@ -71,10 +100,12 @@ def test_small_run_prints_table_and_writes_a_new_json_file(tmp_path):
     assert report["world_size"] == 2 and sorted(report["node_sizes"]) == [1, 1]
     rows = report["results"]
     assert {(r["bytes"], r["algorithm"]) for r in rows} == {
-        (b, a) for b in (4096, 65536) for a in ("flat", "hierarchical", "sharded", "torch")
+        (b, a) for b in (4096, 65536) for a in algorithms
     }
     for r in rows:
         assert len(r["times_s"]) == 3 and r["median_s"] > 0
+        torch_row = next(t for t in rows if t["bytes"] == r["bytes"] and t["algorithm"] == "torch")
+        assert r["vs_torch"] == pytest.approx(r["median_s"] / torch_row["median_s"])
         assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["median_s"] / 1e9)
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 2 * (2 - 1) / 2)
     hier = next(r for r in rows if r["algorithm"] == "hierarchical")

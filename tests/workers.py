@@ -123,6 +123,23 @@ def case_collectives(topo: Topology, groups: CommGroups, params: dict) -> dict[s
                 digests.append(digest(got))
                 if not torch.equal(got, flat_reference(x)):
                     failures.append(f"{alg}/chunk12/{dtype}/n={size} rank {topo.rank}: differs from flat all-reduce")
+    # Flat's split path (head + 1/8 tail, the head divided while the tail is still
+    # reduced) normally starts at 32 MiB; lowered here so small tensors take it.
+    import hybrid.comm.flat as flat_module
+
+    saved, flat_module.SPLIT_MIN_BYTES = flat_module.SPLIT_MIN_BYTES, 16
+    try:
+        comm = make_communicator("flat", groups)
+        for dtype in (torch.float32, torch.float64):
+            for size in (5, 9, 100, 1001):
+                gen = torch.Generator().manual_seed(17 * topo.rank + size)
+                x = torch.randint(-20, 21, (size,), generator=gen).to(dtype)
+                got = comm.all_reduce_mean_(x.clone())
+                digests.append(digest(got))
+                if not torch.equal(got, flat_reference(x)):
+                    failures.append(f"flat/split/{dtype}/n={size} rank {topo.rank}: differs from flat all-reduce")
+    finally:
+        flat_module.SPLIT_MIN_BYTES = saved
     if not same_on_all_ranks(digests):
         failures.append(f"rank {topo.rank}: results differ between ranks")
     return {"failures": failures, "runs_as": runs_as}

@@ -27,12 +27,17 @@ import torch
 from hybrid.comm.counters import PhaseCounters
 from hybrid.comm.groups import CommGroups
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "CommError", "Communicator", "LOW_PRECISION", "SUPPORTED_DTYPES"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "PIPELINE_WINDOW", "CommError", "Communicator", "LOW_PRECISION", "SUPPORTED_DTYPES"]
 
 # Two-level algorithms cut large tensors into pieces of this size and pipeline
 # them: piece k crosses the network while piece k+1 is still being reduced
 # inside the node and piece k-1 is being broadcast back.
 DEFAULT_CHUNK_BYTES = 4 * 2**20
+# At most this many pieces are between issue and completion in each phase:
+# enough to keep the slow link busy while the next piece is reduced, and it
+# bounds the transport's scratch buffers (gloo allocates one per in-flight
+# reduce / all-reduce) to a few pieces instead of the whole bucket.
+PIPELINE_WINDOW = 2
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 LOW_PRECISION = (torch.float16, torch.bfloat16)

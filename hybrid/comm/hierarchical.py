@@ -8,9 +8,13 @@ of every node.
 Large tensors are pipelined in pieces of ``chunk_bytes``: the leader starts
 the inter-node all-reduce of piece k as soon as piece k is reduced inside the
 node, and broadcasts it as soon as it is back, so the intra-node phases hide
-behind the (slower) inter-node one. Each group sees its collectives in the
-same order on every rank: all reduces, then all broadcasts (intra), and the
-all-reduces in piece order (leaders).
+behind the (slower) inter-node one. At most ``PIPELINE_WINDOW`` pieces run
+ahead in each phase, which bounds the transport's scratch memory.
+
+Every rank follows the same schedule (it depends only on the number of
+pieces), so each group sees its collectives in the same order everywhere:
+intra: reduce 0..W-1, then per piece i "reduce i+W, broadcast i-W", then the
+last broadcasts; leaders: all-reduce 0..n-1.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybrid.comm.base import Communicator
+from hybrid.comm.base import PIPELINE_WINDOW, Communicator
 from hybrid.comm.counters import allreduce_bytes, rooted_bytes
 
 __all__ = ["HierarchicalCommunicator"]
@@ -29,28 +33,38 @@ class HierarchicalCommunicator(Communicator):
 
     def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
         topo, groups = self.topology, self.groups
-        local, nnodes = topo.local_world_size, topo.nnodes
+        local, nnodes, window = topo.local_world_size, topo.nnodes, PIPELINE_WINDOW
         chunks = self._chunks(flat)
-        reduces = []
-        if local > 1:
-            reduces = [dist.reduce(c, dst=topo.leader, group=groups.intra, async_op=True) for c in chunks]
-        if topo.is_leader:
-            allreduces = []
-            for i, chunk in enumerate(chunks):
-                if reduces:
-                    self._wait("intra_reduce", [reduces[i]], rooted_bytes(chunk.nbytes, local))
-                if nnodes > 1:
-                    allreduces.append(dist.all_reduce(chunk, group=groups.leaders, async_op=True))
-            broadcasts = []
-            for i, chunk in enumerate(chunks):
-                if allreduces:
-                    self._wait("inter_allreduce", [allreduces[i]], allreduce_bytes(chunk.nbytes, nnodes))
+        n = len(chunks)
+        reduces: dict[int, object] = {}
+        allreduces: dict[int, object] = {}
+        broadcasts = []
+
+        def reduce(i: int) -> None:
+            if local > 1 and i < n:
+                reduces[i] = dist.reduce(chunks[i], dst=topo.leader, group=groups.intra, async_op=True)
+
+        def finish(i: int) -> None:
+            """Piece i is summed over all nodes: divide it on the leader, send it to the node."""
+            if topo.is_leader:
+                if i in allreduces:
+                    self._wait("inter_allreduce", [allreduces.pop(i)], allreduce_bytes(chunks[i].nbytes, nnodes))
                 if divisor is not None:
-                    chunk.div_(divisor)
-                if local > 1:
-                    broadcasts.append(dist.broadcast(chunk, src=topo.leader, group=groups.intra, async_op=True))
-        else:
-            self._wait("intra_reduce", reduces, rooted_bytes(flat.nbytes, local))
-            broadcasts = [dist.broadcast(c, src=topo.leader, group=groups.intra, async_op=True) for c in chunks]
+                    chunks[i].div_(divisor)
+            if local > 1:
+                broadcasts.append(dist.broadcast(chunks[i], src=topo.leader, group=groups.intra, async_op=True))
+
+        for i in range(window):
+            reduce(i)
+        for i in range(n):
+            if i in reduces:
+                self._wait("intra_reduce", [reduces.pop(i)], rooted_bytes(chunks[i].nbytes, local))
+            reduce(i + window)
+            if topo.is_leader and nnodes > 1:
+                allreduces[i] = dist.all_reduce(chunks[i], group=groups.leaders, async_op=True)
+            if i >= window:
+                finish(i - window)
+        for i in range(max(0, n - window), n):
+            finish(i)
         if broadcasts:
             self._wait("intra_broadcast", broadcasts, rooted_bytes(flat.nbytes, local))

@@ -23,6 +23,10 @@ class CommSettings:
     inter_backend: str = "auto"
     timeout_s: float = 300.0
     pipeline_chunk_mb: float = 4.0  # two-level algorithms pipeline large buckets in pieces of this size
+    # DDP's gradient_as_bucket_view: gradients live inside the buckets, so no copy
+    # of every gradient into its bucket and back after the all-reduce, and no
+    # second full-size gradient buffer. Applies to every comm, ddp included.
+    grad_as_bucket_view: bool = True
 
     @property
     def chunk_bytes(self) -> int:

@@ -14,7 +14,10 @@ reduces on 25 MB over 4 ranks).
 
 Large tensors are pipelined in pieces of ``chunk_bytes`` (each piece is
 sharded in turn), so a piece's shard crosses the network while the next
-piece is still being reduced inside the node.
+piece is still being reduced inside the node; at most ``PIPELINE_WINDOW``
+pieces run ahead per phase. Every rank follows the same schedule (intra:
+reduces of pieces 0..W-1, then per piece i "reduces of i+W, broadcasts of
+i-W"; cross: the all-reduces in piece order).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybrid.comm.base import DEFAULT_CHUNK_BYTES, Communicator
+from hybrid.comm.base import DEFAULT_CHUNK_BYTES, PIPELINE_WINDOW, Communicator
 from hybrid.comm.counters import PhaseCounters, allreduce_bytes, rooted_bytes
 from hybrid.comm.groups import CommGroups
 
@@ -42,36 +45,45 @@ class ShardedCommunicator(Communicator):
 
     def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
         topo, groups = self.topology, self.groups
-        local, nnodes, me = topo.local_world_size, topo.nnodes, topo.local_rank
+        local, nnodes, me, window = topo.local_world_size, topo.nnodes, topo.local_rank, PIPELINE_WINDOW
         members = topo.node_ranks
         # Each pipeline piece split into one shard per local rank; only non-empty shards travel.
         pieces = [torch.tensor_split(chunk, local) for chunk in self._chunks(flat)]
-        reduces = [
-            [dist.reduce(s, dst=members[j], group=groups.intra, async_op=True) if s.numel() and local > 1 else None
-             for j, s in enumerate(shards)]
-            for shards in pieces
-        ]
-        allreduces = []
-        for shards, works in zip(pieces, reduces):
-            mine = shards[me]
-            if works[me] is not None:
-                self._wait("intra_reduce", [works[me]], rooted_bytes(sum(s.nbytes for s in shards), local))
-            allreduces.append(
-                dist.all_reduce(mine, group=groups.cross, async_op=True) if mine.numel() and nnodes > 1 else None
-            )
+        n = len(pieces)
+        reduces: dict[int, list] = {}
+        allreduces: dict[int, object] = {}
         broadcasts = []
-        for shards, work in zip(pieces, allreduces):
-            mine = shards[me]
-            if work is not None:
-                self._wait("inter_allreduce", [work], allreduce_bytes(mine.nbytes, nnodes))
+
+        def reduce(i: int) -> None:
+            """Reduce-scatter piece i: shard j is summed onto local rank j."""
+            if local > 1 and i < n:
+                reduces[i] = [dist.reduce(s, dst=members[j], group=groups.intra, async_op=True)
+                              for j, s in enumerate(pieces[i]) if s.numel()]
+
+        def finish(i: int) -> None:
+            """My shard of piece i is summed over all nodes: divide it, all-gather the piece."""
+            mine = pieces[i][me]
+            if i in allreduces:
+                self._wait("inter_allreduce", [allreduces.pop(i)], allreduce_bytes(mine.nbytes, nnodes))
             if divisor is not None and mine.numel():
                 mine.div_(divisor)
             if local > 1:
-                broadcasts += [dist.broadcast(s, src=members[j], group=groups.intra, async_op=True)
-                               for j, s in enumerate(shards) if s.numel()]
-        # Reduces of shards owned by others complete on their own; waiting keeps errors visible.
-        others = [w for works in reduces for j, w in enumerate(works) if w is not None and j != me]
-        if others:
-            self._wait("intra_reduce", others, 0)
+                broadcasts.extend(dist.broadcast(s, src=members[j], group=groups.intra, async_op=True)
+                                  for j, s in enumerate(pieces[i]) if s.numel())
+
+        for i in range(window):
+            reduce(i)
+        for i in range(n):
+            if i in reduces:
+                # Waiting for the other shards' reduces too keeps a peer's failure visible here.
+                self._wait("intra_reduce", reduces.pop(i), rooted_bytes(sum(s.nbytes for s in pieces[i]), local))
+            reduce(i + window)
+            mine = pieces[i][me]
+            if mine.numel() and nnodes > 1:
+                allreduces[i] = dist.all_reduce(mine, group=groups.cross, async_op=True)
+            if i >= window:
+                finish(i - window)
+        for i in range(max(0, n - window), n):
+            finish(i)
         if broadcasts:
             self._wait("intra_broadcast", broadcasts, rooted_bytes(flat.nbytes, local))

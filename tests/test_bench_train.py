@@ -1,0 +1,86 @@
+"""python -m hybrid.bench train: the trainer benchmark's sums, bad input, and a real (tiny) run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hybrid.bench_train import TrainBenchOptions, compose_settings, summarise
+
+
+def bench_train(*args, cwd=None, timeout=400):
+    return subprocess.run([sys.executable, "-m", "hybrid.bench", "train", *args],
+                          capture_output=True, text=True, cwd=cwd, timeout=timeout)
+
+
+def _run(sps, rss, comm_s=0.0):
+    return {"samples_per_s": sps, "median_step_s": 1 / sps, "peak_rss_mb": rss, "comm_s_per_step": comm_s}
+
+
+def test_summary_takes_medians_ratios_to_the_baseline_and_weak_scaling():
+    opts = TrainBenchOptions(layouts=["1x1", "2x2"], comms=["ddp", "flat"], rounds=3)
+    runs = {
+        "1x1 ddp": [_run(100, [200]), _run(110, [210]), _run(90, [190])],
+        "1x1 flat": [_run(100, [205]), _run(100, [205]), _run(100, [205])],
+        "2x2 ddp": [_run(300, [300, 310, 305, 290]), _run(320, [300] * 4), _run(1, [300] * 4)],
+        "2x2 flat": [_run(330, [330] * 4), _run(333, [330] * 4), _run(340, [330, 320, 310, 300])],
+    }
+    rows = {(r["layout"], r["comm"]): r for r in summarise(opts, runs)}
+    assert rows[("2x2", "ddp")]["samples_per_s"] == 300  # the median: one bad round does not count
+    assert rows[("2x2", "ddp")]["peak_rss_mb"] == 300  # median over rounds of the largest rank
+    assert rows[("2x2", "flat")]["speed_vs_baseline"] == pytest.approx(333 / 300)
+    assert rows[("2x2", "flat")]["rss_vs_baseline"] == pytest.approx(330 / 300)
+    assert rows[("1x1", "ddp")]["weak_scaling_efficiency"] == pytest.approx(1.0)
+    assert rows[("2x2", "ddp")]["weak_scaling_efficiency"] == pytest.approx(300 / (4 * 100))
+    assert rows[("2x2", "flat")]["weak_scaling_efficiency"] == pytest.approx(333 / (4 * 100))
+
+
+def test_compose_settings_is_the_trainers_config_and_rejects_uneven_layouts():
+    cfg = compose_settings(["model.width=32"], "2x3", "sharded", 7, 0.0)
+    assert (cfg.cluster.nnodes, cfg.cluster.nproc_per_node) == (2, 3)
+    assert (cfg.comm.algorithm, cfg.trainer.max_steps, cfg.model.width) == ("sharded", 7, 32)
+    assert not cfg.cluster.testbed.enabled
+    assert compose_settings([], "2x1", "ddp", 5, 300.0).cluster.testbed.link_mbit == 300.0
+    with pytest.raises(ValueError, match="'3,1'"):
+        compose_settings([], "3,1", "flat", 5, 0.0)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--comms", "ddp,bogus"], "'ddp,bogus'"),
+        (["--steps", "1"], "--steps 1"),
+        (["--layouts", "2y2"], "'2y2'"),
+        (["model.width=-3"], "model.width=-3"),
+        (["model.nosuch=1"], "nosuch"),
+        (["comm=flat"], "'comm=flat'"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(args, needle, tmp_path):
+    out = bench_train(*args, "--output", str(tmp_path / "t.json"), cwd=tmp_path, timeout=120)
+    assert out.returncode == 2, out.stderr[-1500:]
+    error_lines = [line for line in out.stderr.splitlines() if "error" in line]
+    assert len(error_lines) == 1 and needle in error_lines[0], out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tiny_run_reports_every_configuration(tmp_path):
+    out = bench_train("--layouts", "1x1,1x2", "--comms", "ddp,flat", "--steps", "4", "--rounds", "1",
+                      "--output", str(tmp_path / "t.json"),
+                      "model.width=16", "model.depth=1", "data.num_samples=256", "data.batch_size=8", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "weak-scaling eff" in out.stdout and "vs ddp" in out.stdout
+    report = json.loads((tmp_path / "t.json").read_text())
+    rows = {(r["layout"], r["comm"]): r for r in report["summary"]}
+    assert set(rows) == {(l, c) for l in ("1x1", "1x2") for c in ("ddp", "flat")}
+    for (layout, comm), row in rows.items():
+        (run,) = report["runs"][f"{layout} {comm}"]
+        assert len(run["peak_rss_mb"]) == row["world_size"]  # one figure per rank, from each worker
+        assert all(20 < mb < 20_000 for mb in run["peak_rss_mb"])
+        assert row["samples_per_s"] == pytest.approx(run["samples_per_s"]) and row["samples_per_s"] > 0
+    assert rows[("1x2", "ddp")]["speed_vs_baseline"] == 1.0
+    assert rows[("1x2", "flat")]["weak_scaling_efficiency"] == pytest.approx(
+        rows[("1x2", "flat")]["samples_per_s"] / (2 * rows[("1x1", "flat")]["samples_per_s"]))
+    # Nothing of the runs is left behind but the report (and the synthetic data, reused by later runs).
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "t.json"]
