@@ -5,6 +5,15 @@ rendezvous) into ``JOB_DIR`` and starts one of these per node, optionally
 inside that node's network namespace (``ip netns exec ...``). The agent runs
 ``elastic_launch`` (torchrun's engine) for its node's workers and writes their
 return values, or the failure, to ``JOB_DIR/result-NODE.pkl``.
+
+Exposure: torch's c10d rendezvous creates its TCPStore server listening on
+every interface of the machine. Node 0's agent therefore starts that server
+first, on a socket bound to the node's own address only (127.0.0.1 for a
+local run, the node's testbed address otherwise), as a multi-tenant store;
+the rendezvous then finds the server on that port in this process and uses
+it instead of opening its own. The workers connect to the same store
+(torch's agent-store sharing) and gloo binds to ``GLOO_SOCKET_IFNAME``, so no
+socket of a local job listens beyond its node.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +40,22 @@ def _rank_and_result(entrypoint: Any, *args: Any) -> tuple[int, Any]:
     return int(os.environ["RANK"]), entrypoint(*args)
 
 
+def _store_on_node_address(endpoint: str, timeout_s: float) -> tuple[socket.socket, Any]:
+    """The rendezvous store's server, listening on ``endpoint``'s address only."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, port = endpoint.rsplit(":", 1)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, int(port)))
+    listener.listen(1024)
+    store = TCPStore(host, int(port), is_master=True, multi_tenant=True, master_listen_fd=listener.fileno(),
+                     wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return listener, store
+
+
 def run_agent(job_dir: Path, node: int) -> int:
     meta = json.loads((job_dir / "meta.json").read_text())
     # The entry point is pickled by reference: make its module importable first.
@@ -39,6 +65,8 @@ def run_agent(job_dir: Path, node: int) -> int:
 
     try:
         entrypoint, args = pickle.loads((job_dir / "job.pkl").read_bytes())
+        # Kept alive (referenced) until the job ends.
+        server = _store_on_node_address(meta["rdzv_endpoint"], meta["timeout_s"]) if node == 0 else None
         config = LaunchConfig(
             min_nodes=meta["nnodes"],
             max_nodes=meta["nnodes"],
@@ -48,12 +76,13 @@ def run_agent(job_dir: Path, node: int) -> int:
             rdzv_endpoint=meta["rdzv_endpoint"],
             # Node 0 hosts the rendezvous store; the others connect to it.
             rdzv_configs={"is_host": node == 0, "join_timeout": int(meta["timeout_s"])},
-            max_restarts=0,
+            max_restarts=int(meta.get("max_restarts", 0)),
             monitor_interval=0.1,
             start_method="spawn",
             local_addr=meta["node_addresses"][node],
         )
         per_local_rank = elastic_launch(config, _rank_and_result)(entrypoint, *args)
+        del server
         _write_result(job_dir, node, "ok", dict(per_local_rank.values()))
         return 0
     except ChildFailedError as exc:

@@ -9,7 +9,8 @@ n = world size), and the per-phase times, and writes everything to JSON.
 
 Each iteration starts after a barrier and its time is the slowest rank's, so
 a fast rank cannot hide a slow one. The algorithms take turns iteration by
-iteration (flat, torch, flat, torch, ...), so a drift of the machine (another
+iteration, in a rotating order (flat, torch, torch-mean; torch, torch-mean,
+flat; ...), so a drift of the machine (another
 process, thermal, page cache) hits all of them alike, and the table prints
 each one's ratio to the bare ``torch`` all-reduce measured in the same run.
 
@@ -43,7 +44,7 @@ from hybrid.topology import Layout
 
 __all__ = ["BenchOptions", "main", "parse_size", "run_bench"]
 
-ALGORITHM_CHOICES = ("flat", "hierarchical", "sharded", "torch", "sharded-inter")
+ALGORITHM_CHOICES = ("flat", "hierarchical", "sharded", "torch", "torch-mean", "sharded-inter")
 DEFAULT_ALGORITHMS = ("flat", "hierarchical", "sharded", "torch")
 DTYPE_CHOICES = ("float32", "float64", "bfloat16", "float16")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -104,8 +105,9 @@ def _time_all(fns: dict[str, Any], tensor: Any, opts: BenchOptions, counters: di
     times = {name: [] for name in names}
     sent = {name: [] for name in names}
     for it in range(opts.iters):
-        # Alternate the order too, so no algorithm always runs first after the others.
-        for name in names if it % 2 == 0 else names[::-1]:
+        # Rotate the order too, so every algorithm runs in every position equally often.
+        shift = it % len(names)
+        for name in names[shift:] + names[:shift]:
             tensor.fill_(1)
             dist.barrier()
             tx = nic_tx_bytes(nic) if nic else 0
@@ -137,6 +139,17 @@ def _time_all(fns: dict[str, Any], tensor: Any, opts: BenchOptions, counters: di
             row.update(nic_tx_bytes=statistics.median(per_iter), link_utilisation=statistics.median(util))
         out[name] = row
     return out
+
+
+def _torch_mean(world: int) -> Any:
+    """torch's all-reduce plus the division that averaging needs (DDP's default hook divides too)."""
+    import torch.distributed as dist
+
+    def run(tensor: Any) -> Any:
+        dist.all_reduce(tensor)
+        return tensor.div_(world)
+
+    return run
 
 
 def _inter_phase_only(groups: Any) -> Any:
@@ -182,6 +195,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
             for alg in opts.algorithms:
                 if alg == "torch":
                     fns[alg], runs_as[alg] = (lambda t: dist.all_reduce(t)), "torch"
+                elif alg == "torch-mean":  # what DDP's default hook does: the mean, not the sum
+                    fns[alg], runs_as[alg] = _torch_mean(topo.world_size), alg
                 elif alg == "sharded-inter":
                     fns[alg], runs_as[alg] = _inter_phase_only(groups), alg
                 else:
@@ -256,7 +271,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
                    help=f"comma-separated subset of {','.join(ALGORITHM_CHOICES)} "
                         f"(default: {','.join(DEFAULT_ALGORITHMS)}); sharded-inter is sharded's inter-node "
-                        "phase alone")
+                        "phase alone; torch-mean is torch's all_reduce followed by the division that averaging needs")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per size and algorithm (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="element type (default float32)")

@@ -153,8 +153,8 @@ def format_table(report: dict[str, Any]) -> str:
         eff = f"{row['weak_scaling_efficiency']:16.1%}" if "weak_scaling_efficiency" in row else f"{'-':>16}"
         lines.append(f"{row['layout']:>7} {row['comm']:>12} {row['samples_per_s']:10.1f} {spread:>15} "
                      f"{row['median_step_s'] * 1e3:8.1f} {ratio} {row['peak_rss_mb']:11.1f} {rss} {eff}")
-    lines.append(f"samples/s and step ms: medians over the rounds; peak RSS: the largest rank's, median over the "
-                 f"rounds; weak-scaling eff: samples/s / (workers x the same comm's 1x1 samples/s)")
+    lines.append("samples/s and step ms: medians over the rounds; peak RSS: the largest rank's, median over the "
+                 "rounds; weak-scaling eff: samples/s / (workers x the same comm's 1x1 samples/s)")
     return "\n".join(lines)
 
 

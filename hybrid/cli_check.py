@@ -10,6 +10,7 @@ well), so ``main`` can exit 2 with nothing written.
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -20,9 +21,9 @@ from omegaconf.errors import OmegaConfBaseException
 __all__ = ["check_resume", "one_line_error", "precheck"]
 
 
-def check_resume(resume: object, run_dir: Path | None) -> None:
-    """The run to resume must exist before any worker starts."""
-    from hybrid.checkpoint import CHECKPOINT_NAME
+def check_resume(resume: object, run_dir: Path | None, model_config: dict | None = None) -> None:
+    """The run to resume must exist, be a hybrid run, and hold the same model, before any worker starts."""
+    from hybrid.checkpoint import CHECKPOINT_NAME, checkpoint_steps, latest_manifest
     from hybrid.config import resume_continues_this_run, resume_target
 
     if resume_continues_this_run(resume) and run_dir is None:
@@ -31,11 +32,21 @@ def check_resume(resume: object, run_dir: Path | None) -> None:
             "hydra.run.dir=<the earlier run's directory> (or trainer.resume=<that directory>)"
         )
     target = resume_target(resume, run_dir or Path("."))
-    if target is not None and not (target / "checkpoints" / CHECKPOINT_NAME).is_file():
+    if target is None:
+        return
+    if not target.is_dir():
+        raise ValueError(f"trainer.resume={str(resume)!r}: {str(target)!r} does not exist or is not a directory")
+    directory = target / "checkpoints"
+    if not checkpoint_steps(directory) and not (directory / CHECKPOINT_NAME).is_file():
         raise ValueError(
             f"trainer.resume={str(resume)!r}: {str(target)!r} has no checkpoints/{CHECKPOINT_NAME} "
             "(not a finished or checkpointed hybrid run)"
         )
+    saved = (latest_manifest(target) or {}).get("model_config")
+    if model_config is not None and saved is not None and saved != model_config:
+        diff = ", ".join(f"model.{k}={saved.get(k)!r} there, {v!r} here"
+                         for k, v in model_config.items() if saved.get(k) != v)
+        raise ValueError(f"trainer.resume={str(resume)!r} holds a different model: {diff}")
 
 
 def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -82,7 +93,7 @@ def precheck(argv: list[str], conf_dir: Path | None = None) -> str | None:
         run_dir = hydra_overrides.get("hydra.run.dir")
         if run_dir:
             check_run_dir(Path(run_dir), settings.trainer.resume)
-        check_resume(settings.trainer.resume, Path(run_dir) if run_dir else None)
+        check_resume(settings.trainer.resume, Path(run_dir) if run_dir else None, asdict(settings.model))
         prepare(settings)
     except (HydraException, OmegaConfBaseException) as exc:
         return one_line_error(exc, conf_dir)

@@ -38,6 +38,7 @@ DATASETS = ("synthetic", "files")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
+NONFINITE_ACTIONS = ("stop", "skip")
 
 
 @dataclass
@@ -55,6 +56,7 @@ class ClusterConfig:
     nnodes: int = 2
     nproc_per_node: int = 2
     launch_timeout_s: float = 3600.0  # whole-job deadline of a local launch
+    max_restarts: int = 0  # elastic restarts of a node's workers after a failure; they resume from the last checkpoint
     testbed: TestbedConfig = field(default_factory=TestbedConfig)
 
 
@@ -111,6 +113,9 @@ class TrainerConfig:
     log_every: int = 10
     device: str = "auto"
     num_threads: int = 0  # 0: share the machine's cores among its workers
+    keep_checkpoints: int = 3  # the newest K checkpoints are kept; a corrupt newest one falls back to the next
+    check_replicas_every: int = 0  # >0: every N steps compare parameter checksums across ranks; stop on a mismatch
+    nonfinite_grads: str = "stop"  # stop | skip: what a step with inf/NaN (averaged) gradients does
 
 
 @dataclass
@@ -157,6 +162,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _at_least("cluster.nnodes", cfg.cluster.nnodes, 1)
     _at_least("cluster.nproc_per_node", cfg.cluster.nproc_per_node, 1)
     _at_least("cluster.launch_timeout_s", cfg.cluster.launch_timeout_s, 1)
+    _at_least("cluster.max_restarts", cfg.cluster.max_restarts, 0)
     if not cfg.cluster.testbed.link_mbit > 0:
         raise ValueError(f"cluster.testbed.link_mbit={cfg.cluster.testbed.link_mbit!r} must be > 0")
     _at_least("cluster.testbed.burst_kb", cfg.cluster.testbed.burst_kb, 0)
@@ -196,4 +202,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _at_least("trainer.log_every", cfg.trainer.log_every, 1)
     _at_least("trainer.num_threads", cfg.trainer.num_threads, 0)
     _one_of("trainer.device", cfg.trainer.device, DEVICES)
+    _at_least("trainer.keep_checkpoints", cfg.trainer.keep_checkpoints, 1)
+    _at_least("trainer.check_replicas_every", cfg.trainer.check_replicas_every, 0)
+    _one_of("trainer.nonfinite_grads", cfg.trainer.nonfinite_grads, NONFINITE_ACTIONS)
     return cfg

@@ -108,11 +108,23 @@ def ensure_synthetic(root: Path, spec: DatasetSpec) -> tuple[Path, Path]:
     return inputs, targets
 
 
+def _read(path: Path) -> Any:
+    """The array or tensor in ``path``; never unpickles code (allow_pickle=False, weights_only=True)."""
+    try:
+        if path.suffix == ".npy":
+            return np.load(path, mmap_mode="r", allow_pickle=False)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated, not numpy/torch at all, pickled objects
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ValueError(f"data file {str(path)!r} cannot be read as {path.suffix} "
+                         f"({type(exc).__name__}: {first})") from exc
+
+
 def _load_one(path: Path, key: str) -> Any:
     if path.suffix == ".npy":
-        return np.load(path, mmap_mode="r", allow_pickle=False)
+        return _read(path)
     if path.suffix == ".pt":
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = _read(path)
         if isinstance(obj, dict):
             if key not in obj:
                 raise ValueError(f"data file {str(path)!r} has keys {sorted(obj)}: expected {key!r}")

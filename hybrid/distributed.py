@@ -1,8 +1,20 @@
-"""Join the job's default process group from torchrun's environment, and leave it."""
+"""Join the job's default process group from torchrun's environment, and leave it.
+
+Where the elastic agent does not share its own store with the workers
+(``TORCHELASTIC_USE_AGENT_STORE`` is not ``True``: :mod:`hybrid.launch` sets
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), rank 0 hosts the job's store. We
+create that store ourselves, on a socket bound to ``MASTER_ADDR`` only
+(torch's own would listen on every interface), and each (re)start of the
+workers gets a fresh one, so a restarted attempt never reads the addresses
+its failed predecessor left in a shared store.
+"""
 
 from __future__ import annotations
 
+import os
+import socket
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,14 +39,35 @@ def init_distributed(timeout_s: float = 300.0) -> WorkerEnv:
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         backend = "cpu:gloo,cuda:nccl"
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    timeout = timedelta(seconds=timeout_s)
+    store = _job_store(env.rank, env.world_size, timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, init_method="env://", rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout)
     return env
+
+
+_LISTENERS: list[socket.socket] = []  # the store's listening socket lives as long as the process
+
+
+def _job_store(rank: int, world_size: int, timeout: timedelta) -> Any:
+    """This job's TCPStore, hosted by rank 0 on MASTER_ADDR only; None where the agent's is shared."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or "MASTER_ADDR" not in os.environ:
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(address)
+    listener.listen(1024)
+    _LISTENERS.append(listener)
+    return dist.TCPStore(host, port, world_size, is_master=True, master_listen_fd=listener.fileno(),
+                         wait_for_workers=False, timeout=timeout)
 
 
 def shutdown_distributed() -> None:

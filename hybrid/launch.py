@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -79,13 +80,18 @@ def launch_local(
     timeout_s: float = 600.0,
     env: dict[str, str] | None = None,
     nodes: Sequence[NodeNetwork] | None = None,
+    max_restarts: int = 0,
 ) -> list[Any]:
     """Run ``entrypoint(*args)`` on every rank of ``layout``; return the results by rank.
 
     Workers get torchrun's environment (``RANK``, ``LOCAL_RANK``,
     ``GROUP_RANK``, ``MASTER_ADDR`` ...); gloo is bound to each node's NIC
-    (loopback unless ``nodes`` says otherwise).
+    (loopback unless ``nodes`` says otherwise). ``max_restarts``: how often
+    each node's elastic agent restarts its workers after a failure (torchrun's
+    ``--max-restarts``); the workers see ``TORCHELASTIC_RESTART_COUNT``.
     """
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts={max_restarts} must be >= 0")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
     nodes = list(nodes) if nodes is not None else [LOOPBACK] * layout.nnodes
@@ -101,11 +107,15 @@ def launch_local(
         "run_id": f"hybrid-{uuid.uuid4().hex[:8]}",
         "rdzv_endpoint": f"{nodes[0].address}:{port}",
         "timeout_s": timeout_s,
+        "max_restarts": max_restarts,
     }
     (job_dir / "meta.json").write_text(json.dumps(meta))
     (job_dir / "job.pkl").write_bytes(pickle.dumps((entrypoint, tuple(args))))
     base_env = {**os.environ, "OMP_NUM_THREADS": str(worker_threads(layout.world_size)),
-                "TORCH_ELASTIC_WORKER_IDENTICAL": "0", **(env or {})}
+                "TORCH_ELASTIC_WORKER_IDENTICAL": "0",
+                # Workers get a store of their own per (re)start, hosted by rank 0 on its node's
+                # address only (hybrid.distributed), not the agent's shared one on every interface.
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
     agents: list[subprocess.Popen] = []
     try:
         for i, node in enumerate(nodes):
@@ -118,11 +128,15 @@ def launch_local(
             ))
         _wait(agents, layout, timeout_s)
         by_rank: dict[int, Any] = {}
+        failures = []
         for i in range(layout.nnodes):
             status, payload = _result(job_dir, i, agents[i])
             if status != "ok":
-                raise LaunchError(f"node {i} failed: {payload}")
-            by_rank.update(payload)
+                failures.append((i, str(payload)))
+            else:
+                by_rank.update(payload)
+        if failures:
+            raise LaunchError(_describe(failures))
         return [by_rank[rank] for rank in sorted(by_rank)]
     finally:
         _stop(agents)
@@ -136,15 +150,40 @@ def _result(job_dir: Path, node: int, agent: subprocess.Popen) -> tuple[str, Any
     return pickle.loads(path.read_bytes())
 
 
-def _wait(agents: list[subprocess.Popen], layout: Layout, timeout_s: float) -> None:
-    """Until every agent exits; stop early when one fails (its peers would only time out)."""
+def _describe(failures: list[tuple[int, str]]) -> str:
+    """One message for every failed node, the likely cause first.
+
+    When one worker dies, its peers fail too, with communication errors
+    (CommError, closed connections, timeouts) that are consequences. Failures
+    that are not such errors (a signal, an exception in the training code)
+    are listed first.
+    """
+    consequence = re.compile(r"CommError|failed on rank|Connection (closed|reset)|Timed out|timed out|"
+                             r"earlier bucket's communication failed|without a result")
+    ordered = sorted(failures, key=lambda f: (bool(consequence.search(f[1])), f[0]))
+    first, rest = ordered[0], ordered[1:]
+    message = f"node {first[0]} failed: {first[1]}"
+    for node, payload in rest:
+        message += f"\n(also) node {node} failed: {payload}"
+    return message
+
+
+def _wait(agents: list[subprocess.Popen], layout: Layout, timeout_s: float, grace_s: float = 10.0) -> None:
+    """Until every agent exits. When one fails, the others get ``grace_s`` to fail on their own
+    (so their reports are read too), then the launcher stops them: they would only time out."""
     deadline = time.monotonic() + timeout_s
     while True:
         codes = [a.poll() for a in agents]
         if all(c is not None for c in codes):
             return
         if any(c not in (None, 0) for c in codes):
-            return  # the failed node's result file says why
+            end = time.monotonic() + grace_s
+            for agent in agents:
+                try:
+                    agent.wait(timeout=max(0.0, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            return  # the failed nodes' result files say why
         if time.monotonic() > deadline:
             raise LaunchError(f"layout {layout} did not finish within timeout_s={timeout_s:g}; stopped all workers")
         try:

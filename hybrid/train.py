@@ -92,13 +92,15 @@ def launch_job(settings: TrainConfig, entrypoint: Any, args: tuple) -> list[Any]
     from hybrid.launch import launch_local
 
     tb = settings.cluster.testbed
+    restarts = settings.cluster.max_restarts
     if not tb.enabled:
-        return launch_local(settings.layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s)
+        return launch_local(settings.layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s,
+                            max_restarts=restarts)
     from hybrid.testbed import LinkShape, Testbed
 
     with Testbed(settings.cluster.nnodes, LinkShape(tb.link_mbit, tb.burst_kb, tb.latency_ms)) as bed:
         return launch_local(settings.layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s,
-                            nodes=bed.nodes)
+                            nodes=bed.nodes, max_restarts=restarts)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

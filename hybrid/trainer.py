@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hybrid.checkpoint import load_checkpoint, save_checkpoint
+from hybrid.checkpoint import checkpoint_steps, load_checkpoint, save_checkpoint
 from hybrid.comm import PHASES, CommGroups, PhaseCounters, make_communicator, register_comm_hook
 from hybrid.config import TrainConfig, resume_target
 from hybrid.data import KIND_OF_MODEL, ArrayDataset, BatchStream, DatasetSpec, check_arrays, ensure_synthetic, load_arrays
@@ -36,7 +36,8 @@ from hybrid.models import build_model, param_bytes
 from hybrid.optim import build_optimizer, build_scheduler
 from hybrid.topology import Topology, discover_topology
 
-__all__ = ["load_dataset", "param_checksum", "run_worker", "train_on_rank"]
+__all__ = ["ReplicaDivergence", "check_replicas", "grads_finite", "load_dataset", "param_checksum", "run_worker",
+           "train_on_rank"]
 
 
 # Our models' buffers are constants (e.g. the causal mask): syncing them every
@@ -54,6 +55,33 @@ def param_checksum(model: nn.Module) -> str:
     for p in model.parameters():
         h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def grads_finite(model: nn.Module) -> bool:
+    """True if no gradient holds inf or NaN (one reduction per tensor, one sync)."""
+    sums = [p.grad.sum() for p in model.parameters() if p.grad is not None]
+    return not sums or bool(torch.stack(sums).isfinite().all())
+
+
+class ReplicaDivergence(RuntimeError):
+    """Ranks that should hold identical parameters do not."""
+
+
+def check_replicas(model: nn.Module, step: int) -> None:
+    """Compare parameter checksums across ranks; raise on every rank, naming the ranks that differ."""
+    mine = param_checksum(model)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    groups: dict[str, list[int]] = {}
+    for r, digest in enumerate(every):
+        groups.setdefault(digest, []).append(r)
+    if len(groups) > 1:
+        majority = max(groups.values(), key=len)
+        diverged = sorted(r for ranks in groups.values() if ranks is not majority for r in ranks)
+        raise ReplicaDivergence(
+            f"step {step}: replicas diverged: rank(s) {diverged} hold parameters different from "
+            f"rank(s) {majority}; stopping (trainer.check_replicas_every)"
+        )
 
 
 def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
@@ -133,8 +161,16 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
                          pin_memory=device.type == "cuda", num_workers=cfg.data.num_workers)
     start_step = 0
     source = resume_target(cfg.trainer.resume, run_path)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:
+        # The elastic agent restarted us after a failure: continue from this run's last
+        # checkpoint if it wrote one. Rank 0 owns the run dir, so rank 0 decides for all.
+        own = rank == 0 and bool(checkpoint_steps(run_path / "checkpoints"))
+        if _broadcast_from_rank0(own):
+            source = run_path
+            metrics.status(f"restart {restart}: resuming from the last checkpoint in {run_path / 'checkpoints'}")
     if source is not None:
-        state = _broadcast_from_rank0(load_checkpoint(source) if rank == 0 else None)
+        state = _broadcast_from_rank0(load_checkpoint(source, log=metrics.status) if rank == 0 else None)
         _check_resumable(state, cfg, topology.world_size, source)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -142,6 +178,7 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
         stream.restore(state["data"])
         torch.set_rng_state(state["rng"])
         start_step = int(state["step"])
+        metrics.status(f"resumed from step {start_step} of {source}")
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
               **_NO_BUFFER_SYNC)
@@ -169,17 +206,18 @@ def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, schedule
     samples_per_step = cfg.data.batch_size * accum * topology.world_size
     totals = {p: [0.0, 0] for p in PHASES}
     step_times: list[float] = []
+    skipped = 0
     loss_value = float("nan")
     interval_start, interval_steps = time.perf_counter(), 0
 
     def checkpoint(step: int) -> None:
         if rank == 0:
+            meta = {"model_config": asdict(cfg.model), "world_size": topology.world_size}
             save_checkpoint(run_path / "checkpoints", {
                 "model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "step": step, "data": stream.state(),
-                "rng": torch.get_rng_state(), "model_config": asdict(cfg.model),
-                "world_size": topology.world_size,
-            })
+                "rng": torch.get_rng_state(), **meta,
+            }, step, keep=t.keep_checkpoints, meta=meta)
 
     last = t.max_steps if not t.stop_after else min(t.max_steps, start_step + t.stop_after)
     for step in range(start_step, last):
@@ -193,7 +231,17 @@ def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, schedule
                 loss = _loss(ddp, x, y) / accum
                 loss.backward()
             total_loss += loss.detach()
-        optimizer.step()
+        # Gradients are averaged, so identical on every rank: every rank decides alike, no collective.
+        if grads_finite(ddp.module):
+            optimizer.step()
+        elif t.nonfinite_grads == "skip":
+            skipped += 1
+            metrics.status(f"step {step + 1}: non-finite gradients, step skipped ({skipped} so far)")
+        else:
+            raise FloatingPointError(
+                f"step {step + 1}: non-finite (inf/NaN) gradients after averaging over all ranks; stopping "
+                "(trainer.nonfinite_grads=skip would skip such steps)"
+            )
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -218,6 +266,8 @@ def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, schedule
             metrics.status(f"step {done}/{t.max_steps}  loss {loss_value:.4f}  lr {values['train/lr']:.4g}  "
                            f"{rate:.0f} samples/s  {step_times[-1] * 1e3:.1f} ms/step")
             interval_start, interval_steps = time.perf_counter(), 0
+        if t.check_replicas_every and done % t.check_replicas_every == 0:
+            check_replicas(ddp.module, done)
         if t.checkpoint_every and done % t.checkpoint_every == 0 and done < last:
             checkpoint(done)
     checkpoint(last)
@@ -239,7 +289,7 @@ def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, schedule
         "world_size": topology.world_size, "steps": last, "steps_run": len(step_times),
         "final_loss": loss_value, "samples_per_s": samples_per_step / mean_step if timed else float("nan"),
         "mean_step_s": mean_step, "median_step_s": median_step, "samples_per_step": samples_per_step,
-        "peak_rss_mb": [g[1] for g in gathered], "comm_s": {k: v[0] for k, v in totals.items()},
+        "peak_rss_mb": [g[1] for g in gathered], "skipped_steps": skipped, "comm_s": {k: v[0] for k, v in totals.items()},
         "bytes": {k: v[1] for k, v in totals.items()}, "param_checksum": checksum,
         "param_checksums_identical": len(set(all_checksums)) == 1, "param_bytes": param_bytes(ddp.module),
         "model": cfg.model.name, "bucket_mb": cfg.comm.bucket_mb, "batch_size": cfg.data.batch_size,

@@ -93,19 +93,86 @@ BAD = [
     (["comm.typo=1"], "comm.typo: Key 'typo' not in 'CommSettings'"),
     (["trainer.device=cuda"], "trainer.device='cuda' but torch.cuda.is_available() is False"),
     (["trainer.resume=true"], "trainer.resume=true continues the run in hydra.run.dir"),
-    (["trainer.resume=/no/such/run"], "'/no/such/run' has no checkpoints/last.pt"),
+    (["trainer.resume=/no/such/run"], "'/no/such/run' does not exist or is not a directory"),
+    (["cluster.max_restarts=-1"], "cluster.max_restarts=-1 must be >= 0"),
+    (["trainer.keep_checkpoints=0"], "trainer.keep_checkpoints=0 must be >= 1"),
+    (["trainer.nonfinite_grads=ignore"], "trainer.nonfinite_grads='ignore' is not one of stop, skip"),
+    (["trainer.check_replicas_every=often"], "trainer.check_replicas_every: Value 'often'"),
+    (["+cluster=9x9"], "cluster="),
 ]
 
 
-@pytest.mark.parametrize("args,needle", BAD)
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, needle, tmp_path):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
+    """The whole path once, as a user runs it; the other cases below go through the same precheck in-process."""
     start = time.monotonic()
-    out = hybrid_train(*args, cwd=tmp_path, timeout=60)
+    out = hybrid_train("comm=ring", cwd=tmp_path, timeout=60)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [f"error: {out.stderr.strip()[7:]}"]
-    assert needle in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: comm='ring' is not one of ddp, flat, hierarchical, sharded"]
     assert time.monotonic() - start < 30
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args,needle", BAD)
+def test_every_bad_input_is_named_in_one_line_and_writes_nothing(args, needle, tmp_path, monkeypatch):
+    from hybrid.cli_check import precheck
+
+    monkeypatch.chdir(tmp_path)
+    error = precheck(list(args))
+    assert error is not None and needle in error and "\n" not in error, error
+    assert list(tmp_path.iterdir()) == []
+
+
+def _bad_files(where: Path) -> dict[str, tuple[list[str], str]]:
+    import numpy as np
+
+    where.mkdir(exist_ok=True)
+    y = np.zeros(8, dtype=np.int64)
+    np.save(where / "y.npy", y)
+    np.save(where / "x3d.npy", np.zeros((8, 2, 2), dtype=np.float32))
+    np.save(where / "xint.npy", np.zeros((8, 4), dtype=np.int32))
+    np.save(where / "empty.npy", np.zeros((0, 4), dtype=np.float32))
+    np.save(where / "yfloat.npy", np.zeros(8, dtype=np.float32))
+    np.save(where / "xok.npy", np.zeros((8, 4), dtype=np.float32))
+    (where / "junk.npy").write_bytes(b"not numpy at all")
+    files = lambda x, t="y.npy": ["data=files", f"data.inputs={where / x}", f"data.targets={where / t}"]  # noqa: E731
+    return {
+        "shape": (files("x3d.npy"), "inputs have shape (8, 2, 2); mlp needs 2-D inputs"),
+        "dtype": (files("xint.npy"), "inputs have dtype int32; mlp needs floating-point inputs"),
+        "empty": (files("empty.npy", "empty.npy"), "has 0 samples"),
+        "targets": (files("xok.npy", "yfloat.npy"), "targets have dtype float32; class ids must be integers"),
+        "unreadable": (files("junk.npy"), "junk.npy' cannot be read as .npy"),
+    }
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "empty", "targets", "unreadable"])
+def test_bad_data_files_are_one_line_and_write_nothing(case, tmp_path_factory, monkeypatch):
+    from hybrid.cli_check import precheck
+
+    args, needle = _bad_files(tmp_path_factory.mktemp("files"))[case]
+    cwd = tmp_path_factory.mktemp("cwd")
+    monkeypatch.chdir(cwd)
+    error = precheck(args)
+    assert error is not None and needle in error and "\n" not in error, error
+    assert list(cwd.iterdir()) == []
+
+
+def test_resume_of_a_non_run_or_another_model_is_refused_before_anything_runs(tmp_path):
+    run = tmp_path / "run"
+    first = hybrid_train(*SMALL, f"hydra.run.dir={run}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (tmp_path / "plain").mkdir()
+    for args, needle in (
+        (["trainer.resume=" + str(tmp_path / "plain")], "has no checkpoints/last.pt (not a finished or checkpointed"),
+        ([*SMALL[:-1], "model.width=48", f"trainer.resume={run}"],
+         "holds a different model: model.width=32 there, 48 here"),
+    ):
+        cwd = tmp_path / f"cwd-{len(needle)}"
+        cwd.mkdir()
+        out = hybrid_train(*args, cwd=cwd, timeout=60)
+        assert out.returncode == 2 and needle in out.stderr, out.stderr[-2000:]
+        assert len(out.stderr.strip().splitlines()) == 1
+        assert [p.name for p in cwd.iterdir()] in ([], ["data"])  # at most the (shared) synthetic data
 
 
 def test_help_lists_the_config_groups(tmp_path):

@@ -151,8 +151,9 @@ def test_batch_stream_restores_mid_epoch_exactly():
 
 
 def test_checkpoint_is_atomic_and_weights_only(tmp_path):
-    save_checkpoint(tmp_path / "checkpoints", {"model": {"w": torch.ones(2)}, "step": 3})
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["last.pt"]
+    save_checkpoint(tmp_path / "checkpoints", {"model": {"w": torch.ones(2)}, "step": 3}, 3)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "last.json", "last.pt", "step-00000003.json", "step-00000003.pt"]  # no temporary file left
     assert load_checkpoint(tmp_path)["step"] == 3
     with pytest.raises(ValueError, match="not a directory"):
         load_checkpoint(tmp_path / "nope")

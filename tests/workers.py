@@ -222,7 +222,10 @@ def train_ddp(
             last_submit = step[-1].submitted
             # Overlap: an earlier bucket was already on the wire while backward
             # was still producing the last one.
-            if any(t.started and t.started < last_submit for t in step[:-1]):
+            # Flat issues its all-reduce from the hook itself, so it counts only a
+            # bucket that had already *finished* by then.
+            when = (lambda t: t.finished) if comm_name == "flat" else (lambda t: t.started)
+            if any(when(t) and when(t) < last_submit for t in step[:-1]):
                 overlapped += 1
     buckets = state.buckets_per_step if state else None
     if state is not None:

@@ -21,6 +21,14 @@ still being computed.
 A failing collective (peer gone, timeout) completes that bucket's Future with
 the exception, which DDP re-raises from ``backward()``; every later bucket
 fails fast with the same cause rather than talking to a broken group.
+
+A communicator whose average needs no dependent phases (flat) offers
+``start_mean_``: the hook then issues its all-reduce(s) at once, from
+backward, and returns the transport's own Future with the division chained
+to it, like DDP's built-in hooks; every bucket takes that path, so the order
+of collectives stays DDP's bucket order on every rank. Measured on 2x2
+loopback with 20 MiB of gradients, the thread hand-off had cost ~10% of the
+step against plain DDP.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's
@@ -95,6 +103,16 @@ class CommHookState:
         self._buckets_this_step += 1
         if is_last:
             self.buckets_per_step, self._buckets_this_step = self._buckets_this_step, 0
+        direct = getattr(self.communicator, "start_mean_", None)
+        if direct is not None:
+            # Flat: no hand-off to our thread; every bucket goes this way, in DDP's order.
+            trace.started = trace.submitted
+
+            def finished(fut: torch.futures.Future) -> torch.Tensor:
+                trace.finished = time.perf_counter()
+                return fut.value()
+
+            return direct(tensor).then(finished)
         self._queue.put(_Job(tensor, future, event, trace))
         return future
 

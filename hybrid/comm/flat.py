@@ -13,10 +13,12 @@ since gloo's two threads also work on the pieces in parallel). Below
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
-from hybrid.comm.base import Communicator
+from hybrid.comm.base import LOW_PRECISION, SUPPORTED_DTYPES, CommError, Communicator
 from hybrid.comm.counters import allreduce_bytes
 
 __all__ = ["FlatCommunicator", "SPLIT_MIN_BYTES", "TAIL_FRACTION"]
@@ -44,3 +46,56 @@ class FlatCommunicator(Communicator):
         for piece, work in zip((head, tail), works):
             self._wait("flat_allreduce", [work], allreduce_bytes(piece.nbytes, world))
             piece.div_(divisor)
+
+    def start_mean_(self, tensor: torch.Tensor) -> "torch.futures.Future[torch.Tensor]":
+        """Start averaging a contiguous ``tensor`` in place; the returned Future completes with it.
+
+        Flat needs no thread of ours: the all-reduce runs on the transport's
+        own threads and the division is chained to its Future, the way DDP's
+        built-in hooks work, so the DDP hook issues it straight from
+        backward. Same precision rules and pieces as :meth:`all_reduce_mean_`.
+        """
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            allowed = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+            raise TypeError(f"dtype {tensor.dtype} is not supported: use one of {allowed}")
+        if not tensor.is_contiguous():
+            raise ValueError("start_mean_ needs a contiguous tensor (DDP's buckets are)")
+        world = self.topology.world_size
+        if tensor.numel() == 0 or world == 1:
+            ready: torch.futures.Future = torch.futures.Future()
+            ready.set_result(tensor)
+            return ready
+        flat = tensor.view(-1)
+        low_precision = tensor.dtype in LOW_PRECISION
+        if low_precision:
+            flat.div_(world)
+            pieces = [flat]
+        elif flat.nbytes >= SPLIT_MIN_BYTES:
+            tail_len = max(1, flat.numel() // TAIL_FRACTION)
+            pieces = [flat[:-tail_len], flat[-tail_len:]]
+        else:
+            pieces = [flat]
+        start = time.perf_counter()
+        futures = [self._start_piece(piece, start, None if low_precision else world) for piece in pieces]
+        if len(futures) == 1:
+            return futures[0].then(lambda _: tensor)
+        return torch.futures.collect_all(futures).then(lambda _: tensor)
+
+    def _start_piece(self, piece: torch.Tensor, start: float, divisor: int | None) -> torch.futures.Future:
+        nbytes = allreduce_bytes(piece.nbytes, self.topology.world_size)
+        work = dist.all_reduce(piece, group=self.groups.world, async_op=True)
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            try:
+                fut.wait()
+            except Exception as exc:
+                topo = self.topology
+                cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise CommError(
+                    f"{self.name} flat_allreduce failed on rank {topo.rank} (node {topo.node}, local rank "
+                    f"{topo.local_rank}) after {time.perf_counter() - start:.1f}s: {cause}"
+                ) from exc
+            self.counters.add("flat_allreduce", time.perf_counter() - start, nbytes)
+            return piece if divisor is None else piece.div_(divisor)
+
+        return work.get_future().then(done)
