@@ -69,6 +69,30 @@ def test_bench_counts_the_bytes_crossing_each_nic_and_the_link_caps_utilisation(
     assert ours() == []
 
 
+def _host_links() -> dict[str, str]:
+    """Every link of the host's namespace: name -> its state and qdisc line, to see nothing else changed."""
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True, check=True).stdout
+    out = {}
+    for line in links.splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        out[name] = " ".join(q for q in qdiscs.splitlines() if f" dev {name} " in q + " ")
+    return out
+
+
+@needs_testbed
+def test_the_testbed_touches_only_links_it_created():
+    before = _host_links()
+    with Testbed(2, LinkShape(100)) as bed:
+        during = _host_links()
+        assert sorted(ours()) == sorted(bed.namespaces)
+    after = _host_links()
+    added = set(during) - set(before)
+    assert added and all(name.startswith(f"hyb{os.getpid()}") for name in added), added
+    assert {k: during[k] for k in before} == before  # no existing link or qdisc was changed
+    assert after == before
+
+
 @needs_testbed
 def test_two_testbeds_one_after_another_and_cleanup_on_error():
     for _ in range(2):
