@@ -29,7 +29,6 @@ itself per configuration (:mod:`hybrid.bench_train`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -40,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybrid.metrics import write_json_atomic
 from hybrid.topology import Layout
 
 __all__ = ["BenchOptions", "main", "parse_size", "run_bench"]
@@ -359,9 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if report is not None:
         print(format_table(report))
         output.parent.mkdir(parents=True, exist_ok=True)
-        tmp = output.with_name(output.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2))
-        tmp.replace(output)
+        write_json_atomic(output, report)
         print(f"wrote {output}")
     return 0
 

@@ -25,7 +25,6 @@ runs every node in its own network namespace behind a shaped NIC.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import tempfile
@@ -34,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybrid.metrics import write_json_atomic
 from hybrid.topology import Layout
 
 __all__ = ["TrainBenchOptions", "compose_settings", "main", "run_train_bench", "summarise"]
@@ -222,8 +222,6 @@ def main(argv: list[str] | None = None) -> int:
     report = run_train_bench(opts)
     print(format_table(report))
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(output)
+    write_json_atomic(output, report)
     print(f"wrote {output}")
     return 0

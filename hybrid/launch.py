@@ -177,12 +177,7 @@ def _wait(agents: list[subprocess.Popen], layout: Layout, timeout_s: float, grac
         if all(c is not None for c in codes):
             return
         if any(c not in (None, 0) for c in codes):
-            end = time.monotonic() + grace_s
-            for agent in agents:
-                try:
-                    agent.wait(timeout=max(0.0, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+            _wait_each(agents, time.monotonic() + grace_s)
             return  # the failed nodes' result files say why
         if time.monotonic() > deadline:
             raise LaunchError(f"layout {layout} did not finish within timeout_s={timeout_s:g}; stopped all workers")
@@ -192,23 +187,25 @@ def _wait(agents: list[subprocess.Popen], layout: Layout, timeout_s: float, grac
             pass
 
 
+def _wait_each(agents: list[subprocess.Popen], deadline: float, floor_s: float = 0.0) -> None:
+    """Wait for each agent to exit, all by ``deadline`` (each still gets ``floor_s``)."""
+    for agent in agents:
+        try:
+            agent.wait(timeout=max(floor_s, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def _stop(agents: list[subprocess.Popen], grace_s: float = 10.0) -> None:
     """SIGTERM each agent's process group (the agent stops its workers), then SIGKILL what is left."""
     for agent in agents:
         if agent.poll() is None:
             _signal_group(agent, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
+    _wait_each(agents, time.monotonic() + grace_s, floor_s=0.1)
     for agent in agents:
-        try:
-            agent.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
         # Workers can outlive an agent that died first: clear the whole group.
         _signal_group(agent, signal.SIGKILL)
-        try:
-            agent.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        _wait_each([agent], time.monotonic() + 5)
 
 
 def _signal_group(agent: subprocess.Popen, sig: int) -> None:

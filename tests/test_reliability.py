@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +107,17 @@ class Job:
 # ---------------------------------------------------------------- checkpoints
 
 
+@contextmanager
+def small_tmpfs(mount: Path, size: str):
+    """A file system of ``size`` (tmpfs, needs root) at ``mount``, unmounted afterwards."""
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
 def test_checkpoints_keep_k_and_resume_skips_truncated_corrupt_and_foreign_files(tmp_path):
     directory = tmp_path / "checkpoints"
     for step in (2, 4, 6, 8):
@@ -138,10 +150,7 @@ def test_checkpoints_keep_k_and_resume_skips_truncated_corrupt_and_foreign_files
 
 @pytest.mark.skipif(not IS_ROOT, reason="mounting a small tmpfs needs root")
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "small", "1m") as mount:
         directory = mount / "checkpoints"
         save_checkpoint(directory, {"w": torch.zeros(64 * 1024)}, 1)  # 256 KiB: fits
         before = (directory / "step-00000001.pt").read_bytes()
@@ -152,16 +161,11 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
         assert (directory / "step-00000001.pt").read_bytes() == before
         assert verify_checkpoint(directory / "last.pt") is None
         assert torch.equal(load_checkpoint(mount)["w"], torch.zeros(64 * 1024))
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="mounting a small tmpfs needs root")
 def test_training_into_a_full_disk_stops_with_a_clear_error(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "small", "4m") as mount:
         run = mount / "run"
         # 1.7 MB of weights + momentum per checkpoint: two fit in 4 MiB with room for the logs, a third does not.
         out = subprocess.run(
@@ -173,8 +177,6 @@ def test_training_into_a_full_disk_stops_with_a_clear_error(tmp_path):
                          out.stdout + out.stderr), (out.stdout + out.stderr)[-4000:]
         good = load_checkpoint(run)
         assert good["step"] >= 2 and verify_checkpoint(run / "checkpoints" / "last.pt") is None
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_resume_from_a_corrupt_newest_checkpoint_uses_the_one_before(tmp_path):

@@ -78,9 +78,7 @@ class Communicator(ABC):
 
     def all_reduce_mean_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Replace ``tensor`` by its mean over all ranks and return it."""
-        if tensor.dtype not in SUPPORTED_DTYPES:
-            allowed = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
-            raise TypeError(f"dtype {tensor.dtype} is not supported: use one of {allowed}")
+        self._check_dtype(tensor)
         world = self.topology.world_size
         if tensor.numel() == 0 or world == 1:
             return tensor
@@ -115,10 +113,20 @@ class Communicator(ABC):
         try:
             yield
         except Exception as exc:
-            topo = self.topology
-            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CommError(
-                f"{self.name} {name} failed on rank {topo.rank} (node {topo.node}, local rank "
-                f"{topo.local_rank}) after {time.perf_counter() - start:.1f}s: {cause}"
-            ) from exc
+            raise self._comm_error(name, exc, start) from exc
         self.counters.add(name, time.perf_counter() - start, nbytes)
+
+    def _comm_error(self, phase: str, exc: BaseException, start: float) -> CommError:
+        """The error a failed collective of ``phase`` (begun at ``start``) raises: algorithm, phase, rank, node."""
+        topo = self.topology
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return CommError(
+            f"{self.name} {phase} failed on rank {topo.rank} (node {topo.node}, local rank "
+            f"{topo.local_rank}) after {time.perf_counter() - start:.1f}s: {cause}"
+        )
+
+    @staticmethod
+    def _check_dtype(tensor: torch.Tensor) -> None:
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            allowed = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+            raise TypeError(f"dtype {tensor.dtype} is not supported: use one of {allowed}")

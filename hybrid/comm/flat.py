@@ -18,13 +18,19 @@ import time
 import torch
 import torch.distributed as dist
 
-from hybrid.comm.base import LOW_PRECISION, SUPPORTED_DTYPES, CommError, Communicator
+from hybrid.comm.base import LOW_PRECISION, Communicator
 from hybrid.comm.counters import allreduce_bytes
 
 __all__ = ["FlatCommunicator", "SPLIT_MIN_BYTES", "TAIL_FRACTION"]
 
 SPLIT_MIN_BYTES = 32 * 2**20  # below this the division is cheaper than a second collective
 TAIL_FRACTION = 8  # the tail is 1/8 of the tensor
+
+
+def _head_and_tail(flat: torch.Tensor) -> list[torch.Tensor]:
+    """The two pieces of a large tensor: a head, and a tail of 1/TAIL_FRACTION (views)."""
+    tail_len = max(1, flat.numel() // TAIL_FRACTION)
+    return [flat[:-tail_len], flat[-tail_len:]]
 
 
 class FlatCommunicator(Communicator):
@@ -39,11 +45,10 @@ class FlatCommunicator(Communicator):
             if divisor is not None:
                 flat.div_(divisor)
             return
-        tail_len = max(1, flat.numel() // TAIL_FRACTION)
-        head, tail = flat[:-tail_len], flat[-tail_len:]
+        pieces = _head_and_tail(flat)
         with self._phase("flat_allreduce", 0):
-            works = [dist.all_reduce(piece, group=group, async_op=True) for piece in (head, tail)]
-        for piece, work in zip((head, tail), works):
+            works = [dist.all_reduce(piece, group=group, async_op=True) for piece in pieces]
+        for piece, work in zip(pieces, works):
             self._wait("flat_allreduce", [work], allreduce_bytes(piece.nbytes, world))
             piece.div_(divisor)
 
@@ -55,9 +60,7 @@ class FlatCommunicator(Communicator):
         built-in hooks work, so the DDP hook issues it straight from
         backward. Same precision rules and pieces as :meth:`all_reduce_mean_`.
         """
-        if tensor.dtype not in SUPPORTED_DTYPES:
-            allowed = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
-            raise TypeError(f"dtype {tensor.dtype} is not supported: use one of {allowed}")
+        self._check_dtype(tensor)
         if not tensor.is_contiguous():
             raise ValueError("start_mean_ needs a contiguous tensor (DDP's buckets are)")
         world = self.topology.world_size
@@ -71,8 +74,7 @@ class FlatCommunicator(Communicator):
             flat.div_(world)
             pieces = [flat]
         elif flat.nbytes >= SPLIT_MIN_BYTES:
-            tail_len = max(1, flat.numel() // TAIL_FRACTION)
-            pieces = [flat[:-tail_len], flat[-tail_len:]]
+            pieces = _head_and_tail(flat)
         else:
             pieces = [flat]
         start = time.perf_counter()
@@ -89,12 +91,7 @@ class FlatCommunicator(Communicator):
             try:
                 fut.wait()
             except Exception as exc:
-                topo = self.topology
-                cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise CommError(
-                    f"{self.name} flat_allreduce failed on rank {topo.rank} (node {topo.node}, local rank "
-                    f"{topo.local_rank}) after {time.perf_counter() - start:.1f}s: {cause}"
-                ) from exc
+                raise self._comm_error("flat_allreduce", exc, start) from exc
             self.counters.add("flat_allreduce", time.perf_counter() - start, nbytes)
             return piece if divisor is None else piece.div_(divisor)
 
