@@ -12,7 +12,9 @@ a fast rank cannot hide a slow one. The algorithms take turns iteration by
 iteration, in a rotating order (flat, torch, torch-mean; torch, torch-mean,
 flat; ...), so a drift of the machine (another
 process, thermal, page cache) hits all of them alike, and the table prints
-each one's ratio to the bare ``torch`` all-reduce measured in the same run.
+each one's ratio to the bare ``torch`` all-reduce measured in the same run:
+the median over iterations of its time over torch's time in the same
+iteration (paired, so drift between iterations cancels), with quartiles.
 
 On the testbed (``--testbed-mbit``) every node's leader also reads its NIC's
 transmit counter (``/proc/net/dev``) around each iteration: the bytes that
@@ -111,6 +113,10 @@ def _time_all(fns: dict[str, Any], tensor: Any, opts: BenchOptions, counters: di
             tensor.fill_(1)
             dist.barrier()
             tx = nic_tx_bytes(nic) if nic else 0
+            if opts.link_mbit:
+                # No rank may send before every leader has read its counter, or a worker
+                # that leaves the first barrier early has bytes on the wire already.
+                dist.barrier()
             start = time.perf_counter()
             fns[name](tensor)
             times[name].append(time.perf_counter() - start)
@@ -139,6 +145,20 @@ def _time_all(fns: dict[str, Any], tensor: Any, opts: BenchOptions, counters: di
             row.update(nic_tx_bytes=statistics.median(per_iter), link_utilisation=statistics.median(util))
         out[name] = row
     return out
+
+
+def _paired_ratio(times: list[float], reference: list[float]) -> dict[str, float]:
+    """Median and quartiles of time / reference time, iteration by iteration.
+
+    Iteration i of every algorithm ran within the same round, back to back, so
+    pairing them cancels the machine's drift between rounds; on a loaded
+    2-core machine single iterations still vary by +-20%, hence the quartiles.
+    """
+    ratios = [t / r for t, r in zip(times, reference)]
+    if len(ratios) < 2:
+        return {"vs_torch": ratios[0], "vs_torch_q1": ratios[0], "vs_torch_q3": ratios[0]}
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return {"vs_torch": statistics.median(ratios), "vs_torch_q1": q1, "vs_torch_q3": q3}
 
 
 def _torch_mean(world: int) -> Any:
@@ -214,7 +234,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
                              "algbw_GBps": algbw, "busbw_GBps": busbw, **timing})
             if "torch" in timings:
                 for row in rows[-len(opts.algorithms):]:
-                    row["vs_torch"] = row["median_s"] / timings["torch"]["median_s"]
+                    row.update(_paired_ratio(row["times_s"], timings["torch"]["times_s"]))
         if env.rank != 0:
             return None
         return {
@@ -233,19 +253,20 @@ def format_table(report: dict[str, Any]) -> str:
     link = report.get("testbed_link_mbit")
     if link:
         head += f", testbed NICs shaped to {link:g} Mbit/s"
-    cols = (f"{'size':>10} {'algorithm':>13} {'time ms':>9} {'vs torch':>8} {'algbw GB/s':>10} {'busbw GB/s':>10}"
+    cols = (f"{'size':>10} {'algorithm':>13} {'time ms':>9} {'vs torch':>8} {'quartiles':>10} {'algbw GB/s':>10} {'busbw GB/s':>10}"
             + (f" {'NIC MB':>8} {'link use':>8}" if link else "") + "  phases ms")
     lines = [head, cols]
     for row in report["results"]:
         phases = " ".join(f"{k}={v * 1e3:.2f}" for k, v in row["phases_s"].items())
         name = row["algorithm"] if row["runs_as"] == row["algorithm"] else f"{row['algorithm']}->{row['runs_as']}"
-        ratio = f"{row['vs_torch']:8.3f}" if "vs_torch" in row else f"{'-':>8}"
+        ratio = (f"{row['vs_torch']:8.3f} {row['vs_torch_q1']:.2f}..{row['vs_torch_q3']:.2f}"
+                 if "vs_torch" in row else f"{'-':>8} {'':>10}")
         nic = (f" {row['nic_tx_bytes'] / 1e6:8.2f} {row['link_utilisation']:8.1%}"
                if "link_utilisation" in row else "")
         lines.append(f"{_human(row['bytes']):>10} {name:>13} {row['median_s'] * 1e3:9.2f} {ratio} "
                      f"{row['algbw_GBps']:10.3f} {row['busbw_GBps']:10.3f}{nic}  {phases}")
-    lines.append("vs torch: median time / the bare torch.distributed.all_reduce's median in the same run "
-                 "(sum only; the algorithms also average)")
+    lines.append("vs torch: median over iterations of time / the bare torch.distributed.all_reduce's time in the "
+                 "same iteration (sum only; the algorithms also average); quartiles: of those ratios")
     if link:
         lines.append("NIC MB: bytes the busiest node's NIC transmitted per call (/proc/net/dev, headers "
                      "included); link use: NIC bits / time / shaped rate")

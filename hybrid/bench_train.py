@@ -11,7 +11,9 @@ configuration:
 
 - samples/s: samples per step / the median step time of that run (the
   first step, with its warm-up, is left out), median over the rounds;
-- the ratio to the baseline comm (``ddp``: plain torch DDP) on the same layout;
+- the ratio to the baseline comm (``ddp``: plain torch DDP) on the same layout:
+  per round, this run's samples/s over the baseline's run of that round
+  (back to back), then the median over rounds, and the range;
 - peak RSS per rank (``ru_maxrss`` of each worker process; each run is a
   fresh set of processes) and its ratio to the baseline's;
 - weak-scaling efficiency: samples/s on N workers / (N x samples/s on 1x1),
@@ -128,7 +130,12 @@ def summarise(opts: TrainBenchOptions, runs: dict[str, list[dict[str, Any]]]) ->
     for row in rows:
         base = by_key.get((row["layout"], opts.baseline))
         if base is not None:
-            row["speed_vs_baseline"] = row["samples_per_s"] / base["samples_per_s"]
+            # Paired: each round's run against the baseline's run of the same round (they
+            # ran back to back), then the median over rounds, so a drift of the machine
+            # between rounds cancels instead of adding to the spread.
+            per_round = [a / b for a, b in zip(row["samples_per_s_all"], base["samples_per_s_all"])]
+            row["speed_vs_baseline"] = statistics.median(per_round)
+            row["speed_vs_baseline_per_round"] = per_round
             row["rss_vs_baseline"] = row["peak_rss_mb"] / base["peak_rss_mb"]
         single = by_key.get(("1x1", row["comm"]))
         if single is not None:
@@ -144,17 +151,21 @@ def format_table(report: dict[str, Any]) -> str:
             + (f"; overrides: {' '.join(o['overrides'])}" if o["overrides"] else ""))
     base = o["baseline"]
     cols = (f"{'layout':>7} {'comm':>12} {'samples/s':>10} {'min..max':>15} {'step ms':>8} "
-            f"{'vs ' + base:>8} {'peak RSS MB':>11} {'RSS vs ' + base:>11} {'weak-scaling eff':>16}")
+            f"{'vs ' + base:>8} {'range':>10} {'peak RSS MB':>11} {'RSS vs ' + base:>11} {'weak-scaling eff':>16}")
     lines = [head, cols]
     for row in report["summary"]:
         spread = f"{min(row['samples_per_s_all']):.0f}..{max(row['samples_per_s_all']):.0f}"
         ratio = f"{row['speed_vs_baseline']:8.3f}" if "speed_vs_baseline" in row else f"{'-':>8}"
+        pr = row.get("speed_vs_baseline_per_round")
+        ratio += f" {min(pr):.2f}..{max(pr):.2f}" if pr else f" {'':>10}"
         rss = f"{row['rss_vs_baseline']:11.3f}" if "rss_vs_baseline" in row else f"{'-':>11}"
         eff = f"{row['weak_scaling_efficiency']:16.1%}" if "weak_scaling_efficiency" in row else f"{'-':>16}"
         lines.append(f"{row['layout']:>7} {row['comm']:>12} {row['samples_per_s']:10.1f} {spread:>15} "
                      f"{row['median_step_s'] * 1e3:8.1f} {ratio} {row['peak_rss_mb']:11.1f} {rss} {eff}")
-    lines.append("samples/s and step ms: medians over the rounds; peak RSS: the largest rank's, median over the "
-                 "rounds; weak-scaling eff: samples/s / (workers x the same comm's 1x1 samples/s)")
+    lines.append(f"samples/s and step ms: medians over the rounds; vs {base}: median over the rounds of each "
+                 f"round's samples/s / {base}'s in the same round (range: smallest..largest of those); peak RSS: "
+                 "the largest rank's, median over the rounds; weak-scaling eff: samples/s / (workers x the same "
+                 "comm's 1x1 samples/s)")
     return "\n".join(lines)
 
 

@@ -27,7 +27,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.checkpoint import checkpoint_steps, load_checkpoint, save_checkpoint
-from hybrid.comm import PHASES, CommGroups, PhaseCounters, make_communicator, register_comm_hook
+from hybrid.comm import (PHASES, CommGroups, PhaseCounters, group_kinds_for, make_communicator,
+                         register_comm_hook)
 from hybrid.config import TrainConfig, resume_target
 from hybrid.data import KIND_OF_MODEL, ArrayDataset, BatchStream, DatasetSpec, check_arrays, ensure_synthetic, load_arrays
 from hybrid.distributed import init_distributed, shutdown_distributed
@@ -186,7 +187,8 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
     hook = groups = None
     try:
         if cfg.comm.algorithm != "ddp":
-            groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend, cfg.comm.timeout_s)
+            groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend, cfg.comm.timeout_s,
+                                      kinds=group_kinds_for(cfg.comm.algorithm, topology))
             comm = make_communicator(cfg.comm.algorithm, groups, counters, cfg.comm.chunk_bytes)
             hook = register_comm_hook(ddp, comm)
         return _loop(cfg, ddp, optimizer, scheduler, stream, counters, metrics, run_path, topology,
@@ -243,7 +245,13 @@ def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, schedule
                 "(trainer.nonfinite_grads=skip would skip such steps)"
             )
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        # With gradients as bucket views, zeroing in place keeps them views: backward then
+        # accumulates straight into DDP's buckets. Setting them to None would make autograd
+        # allocate fresh gradients each step and DDP copy them into the buckets again (its own
+        # no-hook path fuses the averaging into that copy; a comm hook cannot, so it would pay
+        # one more pass over the gradients than DDP). Every parameter of our models gets a
+        # gradient every step, so zeros and None give the same update.
+        optimizer.zero_grad(set_to_none=not cfg.comm.grad_as_bucket_view)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # honest step time; this is a local wait, not a collective
         step_times.append(time.perf_counter() - started)

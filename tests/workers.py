@@ -123,21 +123,31 @@ def case_collectives(topo: Topology, groups: CommGroups, params: dict) -> dict[s
                 digests.append(digest(got))
                 if not torch.equal(got, flat_reference(x)):
                     failures.append(f"{alg}/chunk12/{dtype}/n={size} rank {topo.rank}: differs from flat all-reduce")
-    # Flat's split path (head + 1/8 tail, the head divided while the tail is still
-    # reduced) normally starts at 32 MiB; lowered here so small tensors take it.
+    # Flat's split path (head + 1/8 tail, all-reduced together) normally starts at
+    # 32 MiB; lowered here so small tensors take it.
     import hybrid.comm.flat as flat_module
 
-    saved, flat_module.SPLIT_MIN_BYTES = flat_module.SPLIT_MIN_BYTES, 16
+    # Both ways flat averages: in the transport (gloo's AVG) and by our own division after a SUM
+    # (NCCL, or a torch without gloo AVG), each also through the DDP hook's asynchronous path.
+    saved = flat_module.SPLIT_MIN_BYTES
     try:
-        comm = make_communicator("flat", groups)
-        for dtype in (torch.float32, torch.float64):
-            for size in (5, 9, 100, 1001):
-                gen = torch.Generator().manual_seed(17 * topo.rank + size)
-                x = torch.randint(-20, 21, (size,), generator=gen).to(dtype)
-                got = comm.all_reduce_mean_(x.clone())
-                digests.append(digest(got))
-                if not torch.equal(got, flat_reference(x)):
-                    failures.append(f"flat/split/{dtype}/n={size} rank {topo.rank}: differs from flat all-reduce")
+        for transport_avg, split_min in ((True, 16), (False, 16), (False, 2**40)):
+            flat_module.SPLIT_MIN_BYTES = split_min
+            comm = make_communicator("flat", groups)
+            comm.transport_avg = transport_avg
+            for dtype in (torch.float32, torch.float64):
+                for size in (5, 9, 100, 1001):
+                    gen = torch.Generator().manual_seed(17 * topo.rank + size)
+                    x = torch.randint(-20, 21, (size,), generator=gen).to(dtype)
+                    x[0] = 2**20 + 1  # an odd sum: not divisible by most world sizes
+                    ref = flat_reference(x)
+                    got = comm.all_reduce_mean_(x.clone())
+                    started = comm.start_mean_(x.clone()).wait()
+                    digests.extend([digest(got), digest(started)])
+                    for path, result in (("sync", got), ("hook", started)):
+                        if not torch.equal(result, ref):
+                            failures.append(f"flat/split>={split_min}/avg={transport_avg}/{path}/{dtype}/n={size} rank "
+                                            f"{topo.rank}: differs from flat all-reduce")
     finally:
         flat_module.SPLIT_MIN_BYTES = saved
     if not same_on_all_ranks(digests):

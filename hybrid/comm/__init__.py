@@ -14,9 +14,9 @@ This package does not import Hydra, TensorBoard or anything that touches files.
 from hybrid.comm.base import LOW_PRECISION, SUPPORTED_DTYPES, CommError, Communicator
 from hybrid.comm.counters import PHASES, PhaseCounters, PhaseStats
 from hybrid.comm.ddp_hook import CommHookState, register_comm_hook
-from hybrid.comm.factory import ALGORITHMS, make_communicator
+from hybrid.comm.factory import ALGORITHMS, group_kinds_for, make_communicator
 from hybrid.comm.flat import FlatCommunicator
-from hybrid.comm.groups import BACKENDS, CommGroups
+from hybrid.comm.groups import BACKENDS, GROUP_KINDS, CommGroups
 from hybrid.comm.hierarchical import HierarchicalCommunicator
 from hybrid.comm.settings import COMM_CHOICES, CommSettings
 from hybrid.comm.sharded import ShardedCommunicator
@@ -25,6 +25,7 @@ __all__ = [
     "ALGORITHMS",
     "BACKENDS",
     "COMM_CHOICES",
+    "GROUP_KINDS",
     "LOW_PRECISION",
     "PHASES",
     "SUPPORTED_DTYPES",
@@ -38,6 +39,7 @@ __all__ = [
     "PhaseCounters",
     "PhaseStats",
     "ShardedCommunicator",
+    "group_kinds_for",
     "make_communicator",
     "register_comm_hook",
 ]

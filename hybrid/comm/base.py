@@ -55,11 +55,17 @@ class Communicator(ABC):
     """
 
     name: ClassVar[str]
+    # The CommGroups kinds this algorithm talks over (what CommGroups.build must have built).
+    group_kinds: ClassVar[tuple[str, ...]]
 
     def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be >= 1")
+        missing = [k for k in self.group_kinds if k not in groups.kinds]
+        if missing:
+            raise ValueError(f"{self.name} talks over the groups {list(self.group_kinds)}, but "
+                             f"{missing} were not built: pass kinds={list(self.group_kinds)} to CommGroups.build")
         self.groups = groups
         self.topology = groups.topology
         self.counters = counters if counters is not None else PhaseCounters()
@@ -85,7 +91,7 @@ class Communicator(ABC):
         # Collectives need one contiguous buffer; DDP buckets already are one.
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
         if tensor.dtype in LOW_PRECISION:
-            flat.div_(world)
+            self._divide_(flat, world)
             self._sum_(flat, divisor=None)
         else:
             self._sum_(flat, divisor=world)
@@ -124,6 +130,19 @@ class Communicator(ABC):
             f"{self.name} {phase} failed on rank {topo.rank} (node {topo.node}, local rank "
             f"{topo.local_rank}) after {time.perf_counter() - start:.1f}s: {cause}"
         )
+
+    @staticmethod
+    def _divide_(tensor: torch.Tensor, divisor: int) -> torch.Tensor:
+        """``tensor.div_(divisor)``, with the same bits but cheaper where ``divisor`` is a power of two.
+
+        x * 2**-k is the same real number as x / 2**k, so both round to the
+        same float (subnormals included); a multiply streams faster than a
+        divide (10 MB, one thread: 0.23 vs 0.37 ms), which matters because
+        this pass is the only work flat adds to a bare all-reduce.
+        """
+        if divisor & (divisor - 1) == 0:
+            return tensor.mul_(1.0 / divisor)
+        return tensor.div_(divisor)
 
     @staticmethod
     def _check_dtype(tensor: torch.Tensor) -> None:

@@ -10,14 +10,26 @@ from hybrid.comm.flat import FlatCommunicator
 from hybrid.comm.groups import CommGroups
 from hybrid.comm.hierarchical import HierarchicalCommunicator
 from hybrid.comm.sharded import ShardedCommunicator
+from hybrid.topology import Topology
 
-__all__ = ["ALGORITHMS", "make_communicator"]
+__all__ = ["ALGORITHMS", "group_kinds_for", "make_communicator"]
 
 log = logging.getLogger(__name__)
 
 ALGORITHMS: dict[str, type[Communicator]] = {
     cls.name: cls for cls in (FlatCommunicator, HierarchicalCommunicator, ShardedCommunicator)
 }
+
+
+def _resolve(algorithm: str, topology: Topology) -> str:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"comm algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    return "hierarchical" if algorithm == "sharded" and not topology.is_uniform else algorithm
+
+
+def group_kinds_for(algorithm: str, topology: Topology) -> tuple[str, ...]:
+    """The CommGroups kinds ``algorithm`` needs on ``topology`` (its fallback's, where it falls back)."""
+    return ALGORITHMS[_resolve(algorithm, topology)].group_kinds
 
 
 def make_communicator(
@@ -30,13 +42,11 @@ def make_communicator(
     shards would not line up across nodes); the reason is logged and the
     returned object's ``name`` says which algorithm actually runs.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"comm algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
     topo = groups.topology
-    if algorithm == "sharded" and not topo.is_uniform:
+    runs_as = _resolve(algorithm, topo)
+    if runs_as != algorithm:
         log.warning(
             "sharded needs nodes of equal size; node sizes %s are uneven, so using hierarchical",
             list(topo.node_sizes),
         )
-        algorithm = "hierarchical"
-    return ALGORITHMS[algorithm](groups, counters, chunk_bytes)
+    return ALGORITHMS[runs_as](groups, counters, chunk_bytes)

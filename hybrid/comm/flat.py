@@ -1,25 +1,32 @@
 """Flat: one all-reduce over every rank, the baseline every other algorithm is judged against.
 
 Averaging (fp32/fp64: sum, then divide once) costs a pass over the tensor
-that a bare all-reduce does not make; measured on 2x2 loopback it adds ~8%
-to a 100 MB all-reduce (276 -> 299 ms). So a large tensor is all-reduced as
-two pieces issued together, a big head and a tail of 1/8: while gloo's
-threads still reduce the tail, this thread divides the head, and only the
-tail's division adds to the time (measured: 263 ms, below the bare 276,
-since gloo's two threads also work on the pieces in parallel). Below
-``SPLIT_MIN_BYTES`` the second collective costs more than it hides (10 MB:
-36.7 ms split vs 34.0 ms unsplit), so smaller tensors go in one piece.
+that a bare summing all-reduce does not make. On gloo the transport makes it:
+``ReduceOp.AVG`` sums and then divides on gloo's own thread, with the same
+bits as sum-then-divide, so there is no pass and no Python callback of ours
+(in the DDP hook, measured with ``experiments/hook_ab.py``: 0.983x DDP's
+speed against 0.967x with our own division). Elsewhere (NCCL, whose AVG
+scales by 1/n and so rounds differently; a torch without gloo AVG) flat sums
+and divides itself.
+
+A tensor of at least ``SPLIT_MIN_BYTES`` is all-reduced as two pieces issued
+together, a big head and a tail of 1/8: gloo's two worker threads then work on
+both at once (100 MB on 1x4 loopback: 0.93x the bare all-reduce's time, the
+average included). Below that the second collective costs more than it saves
+(10 MB: 1.19x split vs 1.06x unsplit), so smaller tensors go in one piece.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from hybrid.comm.base import LOW_PRECISION, Communicator
-from hybrid.comm.counters import allreduce_bytes
+from hybrid.comm.base import DEFAULT_CHUNK_BYTES, LOW_PRECISION, Communicator
+from hybrid.comm.counters import PhaseCounters, allreduce_bytes
+from hybrid.comm.groups import CommGroups
 
 __all__ = ["FlatCommunicator", "SPLIT_MIN_BYTES", "TAIL_FRACTION"]
 
@@ -35,57 +42,98 @@ def _head_and_tail(flat: torch.Tensor) -> list[torch.Tensor]:
 
 class FlatCommunicator(Communicator):
     name = "flat"
+    group_kinds = ("world",)
+
+    def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        super().__init__(groups, counters, chunk_bytes)
+        # gloo's ReduceOp.AVG sums, then divides by the group size on gloo's own
+        # thread: the very bits of sum-then-divide (tests/test_comm_multiprocess
+        # checks them), without a pass or a Python callback of ours. NCCL's AVG
+        # scales by 1/n instead (other bits for n not a power of two), so it is
+        # used on gloo only; torch builds without gloo AVG fall back to SUM.
+        self.transport_avg = self.groups.inter_backend == "gloo"
+
+    def _all_reduce(self, piece: torch.Tensor, average: bool, async_op: bool = False) -> tuple[Any, bool]:
+        """All-reduce ``piece``: AVG where ``average`` and the transport averages, else SUM.
+
+        Returns the Work (None unless ``async_op``) and whether the transport averaged.
+        """
+        group = self.groups.world
+        if average and self.transport_avg:
+            try:
+                return dist.all_reduce(piece, op=dist.ReduceOp.AVG, group=group, async_op=async_op), True
+            except (ValueError, RuntimeError) as exc:  # raised before anything is sent, alike on every rank
+                if "AVG" not in str(exc):
+                    raise
+                self.transport_avg = False
+        return dist.all_reduce(piece, group=group, async_op=async_op), False
 
     def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
         world = self.topology.world_size
-        group = self.groups.world
         if divisor is None or flat.nbytes < SPLIT_MIN_BYTES:
             with self._phase("flat_allreduce", allreduce_bytes(flat.nbytes, world)):
-                dist.all_reduce(flat, group=group)
-            if divisor is not None:
-                flat.div_(divisor)
+                _, averaged = self._all_reduce(flat, average=divisor is not None)
+            if divisor is not None and not averaged:
+                self._divide_(flat, divisor)
             return
         pieces = _head_and_tail(flat)
         with self._phase("flat_allreduce", 0):
-            works = [dist.all_reduce(piece, group=group, async_op=True) for piece in pieces]
-        for piece, work in zip(pieces, works):
+            started = [self._all_reduce(piece, average=True, async_op=True) for piece in pieces]
+        for piece, (work, averaged) in zip(pieces, started):
             self._wait("flat_allreduce", [work], allreduce_bytes(piece.nbytes, world))
-            piece.div_(divisor)
+            if not averaged:
+                self._divide_(piece, divisor)
 
-    def start_mean_(self, tensor: torch.Tensor) -> "torch.futures.Future[torch.Tensor]":
+    def start_mean_(self, tensor: torch.Tensor,
+                    on_done: Callable[[], None] | None = None) -> "torch.futures.Future[torch.Tensor]":
         """Start averaging a contiguous ``tensor`` in place; the returned Future completes with it.
 
         Flat needs no thread of ours: the all-reduce runs on the transport's
-        own threads and the division is chained to its Future, the way DDP's
-        built-in hooks work, so the DDP hook issues it straight from
-        backward. Same precision rules and pieces as :meth:`all_reduce_mean_`.
+        own threads (averaging there too, on gloo), and one callback chained to
+        its Future records the time, divides where the transport did not, and
+        calls ``on_done``, the way DDP's built-in hooks work; so the DDP hook
+        issues it straight from backward. Same precision rules and pieces as
+        :meth:`all_reduce_mean_`.
         """
         self._check_dtype(tensor)
         if not tensor.is_contiguous():
             raise ValueError("start_mean_ needs a contiguous tensor (DDP's buckets are)")
         world = self.topology.world_size
         if tensor.numel() == 0 or world == 1:
+            if on_done is not None:
+                on_done()
             ready: torch.futures.Future = torch.futures.Future()
             ready.set_result(tensor)
             return ready
         flat = tensor.view(-1)
         low_precision = tensor.dtype in LOW_PRECISION
         if low_precision:
-            flat.div_(world)
+            self._divide_(flat, world)
             pieces = [flat]
         elif flat.nbytes >= SPLIT_MIN_BYTES:
             pieces = _head_and_tail(flat)
         else:
             pieces = [flat]
         start = time.perf_counter()
-        futures = [self._start_piece(piece, start, None if low_precision else world) for piece in pieces]
-        if len(futures) == 1:
-            return futures[0].then(lambda _: tensor)
-        return torch.futures.collect_all(futures).then(lambda _: tensor)
+        if len(pieces) == 1:
+            return self._start_piece(flat, start, None if low_precision else world, tensor, on_done)
+        futures = [self._start_piece(piece, start, world, piece, None) for piece in pieces]
 
-    def _start_piece(self, piece: torch.Tensor, start: float, divisor: int | None) -> torch.futures.Future:
+        def all_done(_: torch.futures.Future) -> torch.Tensor:
+            for fut in futures:
+                fut.wait()  # re-raises a piece's CommError
+            if on_done is not None:
+                on_done()
+            return tensor
+
+        return torch.futures.collect_all(futures).then(all_done)
+
+    def _start_piece(self, piece: torch.Tensor, start: float, divisor: int | None, result: torch.Tensor,
+                     on_done: Callable[[], None] | None) -> torch.futures.Future:
         nbytes = allreduce_bytes(piece.nbytes, self.topology.world_size)
-        work = dist.all_reduce(piece, group=self.groups.world, async_op=True)
+        work, averaged = self._all_reduce(piece, average=divisor is not None, async_op=True)
+        divide = divisor is not None and not averaged
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
             try:
@@ -93,6 +141,10 @@ class FlatCommunicator(Communicator):
             except Exception as exc:
                 raise self._comm_error("flat_allreduce", exc, start) from exc
             self.counters.add("flat_allreduce", time.perf_counter() - start, nbytes)
-            return piece if divisor is None else piece.div_(divisor)
+            if divide:
+                self._divide_(piece, divisor)
+            if on_done is not None:
+                on_done()
+            return result
 
         return work.get_future().then(done)

@@ -10,17 +10,19 @@ collectives can never be matched against each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
 from hybrid.topology import Topology
 
-__all__ = ["BACKENDS", "CommGroups", "resolve_backend"]
+__all__ = ["BACKENDS", "GROUP_KINDS", "CommGroups", "resolve_backend"]
 
 BACKENDS = ("auto", "gloo", "nccl")
+GROUP_KINDS = ("world", "intra", "leaders", "cross")
 
 
 def resolve_backend(name: str, level: str) -> str:
@@ -38,23 +40,28 @@ def resolve_backend(name: str, level: str) -> str:
 
 @dataclass
 class CommGroups:
-    """This rank's view of the groups: ``None`` where it is not a member.
+    """This rank's view of the groups: ``None`` where it is not a member or it was not built.
 
     - ``world``: every rank (the flat algorithm), on the inter-node backend;
     - ``intra``: the ranks of this rank's node;
     - ``leaders``: one rank per node (only set on leaders);
     - ``cross``: the ranks with this rank's local rank on every node (uniform
       nodes only; the sharded algorithm's inter-node phase).
+
+    ``kinds`` says which of them were built: a job that runs one algorithm
+    builds only the groups that algorithm talks over, since every gloo group
+    holds its own connections, threads and buffers (flat alone: ``world``).
     """
 
     topology: Topology
     intra_backend: str
     inter_backend: str
     timeout: timedelta
-    world: dist.ProcessGroup
-    intra: dist.ProcessGroup
+    world: dist.ProcessGroup | None
+    intra: dist.ProcessGroup | None
     leaders: dist.ProcessGroup | None
     cross: dist.ProcessGroup | None
+    kinds: frozenset[str] = field(default=frozenset(GROUP_KINDS))
 
     @classmethod
     def build(
@@ -63,22 +70,34 @@ class CommGroups:
         intra_backend: str = "auto",
         inter_backend: str = "auto",
         timeout_s: float = 300.0,
+        kinds: Iterable[str] = GROUP_KINDS,
     ) -> "CommGroups":
-        """Create all groups. Collective: every rank calls it, in the same order."""
-        if not dist.is_initialized():
-            raise RuntimeError("CommGroups.build needs torch.distributed.init_process_group first")
+        """Create the groups named in ``kinds`` (default: all).
+
+        Collective: every rank calls it, with the same ``kinds``.
+        """
+        wanted = frozenset(kinds)
+        unknown = sorted(wanted - set(GROUP_KINDS))
+        if unknown:
+            raise ValueError(f"group kinds {unknown} are not among {', '.join(GROUP_KINDS)}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
+        if not dist.is_initialized():
+            raise RuntimeError("CommGroups.build needs torch.distributed.init_process_group first")
         intra_b = resolve_backend(intra_backend, "intra")
         inter_b = resolve_backend(inter_backend, "inter")
         timeout = timedelta(seconds=timeout_s)
-        world = dist.new_group(list(range(topology.world_size)), timeout=timeout, backend=inter_b)
-        intra, _ = dist.new_subgroups_by_enumeration(
-            [list(node) for node in topology.nodes], timeout=timeout, backend=intra_b
-        )
-        leaders_group = dist.new_group(list(topology.leaders), timeout=timeout, backend=inter_b)
-        cross = None
-        if topology.is_uniform:
+        world = intra = leaders_group = cross = None
+        # Always in this order, so every rank creates the same groups in the same sequence.
+        if "world" in wanted:
+            world = dist.new_group(list(range(topology.world_size)), timeout=timeout, backend=inter_b)
+        if "intra" in wanted:
+            intra, _ = dist.new_subgroups_by_enumeration(
+                [list(node) for node in topology.nodes], timeout=timeout, backend=intra_b
+            )
+        if "leaders" in wanted:
+            leaders_group = dist.new_group(list(topology.leaders), timeout=timeout, backend=inter_b)
+        if "cross" in wanted and topology.is_uniform:
             cross, _ = dist.new_subgroups_by_enumeration(
                 [list(g) for g in topology.cross_groups()], timeout=timeout, backend=inter_b
             )
@@ -91,6 +110,7 @@ class CommGroups:
             intra=intra,
             leaders=leaders_group if topology.is_leader else None,
             cross=cross,
+            kinds=wanted,
         )
 
     def destroy(self) -> None:

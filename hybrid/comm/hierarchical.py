@@ -30,6 +30,7 @@ __all__ = ["HierarchicalCommunicator"]
 
 class HierarchicalCommunicator(Communicator):
     name = "hierarchical"
+    group_kinds = ("intra", "leaders")
 
     def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
         topo, groups = self.topology, self.groups
@@ -50,7 +51,7 @@ class HierarchicalCommunicator(Communicator):
                 if i in allreduces:
                     self._wait("inter_allreduce", [allreduces.pop(i)], allreduce_bytes(chunks[i].nbytes, nnodes))
                 if divisor is not None:
-                    chunks[i].div_(divisor)
+                    self._divide_(chunks[i], divisor)
             if local > 1:
                 broadcasts.append(dist.broadcast(chunks[i], src=topo.leader, group=groups.intra, async_op=True))
 

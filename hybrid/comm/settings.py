@@ -25,7 +25,8 @@ class CommSettings:
     pipeline_chunk_mb: float = 4.0  # two-level algorithms pipeline large buckets in pieces of this size
     # DDP's gradient_as_bucket_view: gradients live inside the buckets, so no copy
     # of every gradient into its bucket and back after the all-reduce, and no
-    # second full-size gradient buffer. Applies to every comm, ddp included.
+    # second full-size gradient buffer (the trainer zeroes gradients in place so they
+    # stay views). Applies to every comm, ddp included.
     grad_as_bucket_view: bool = True
 
     @property

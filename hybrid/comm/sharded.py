@@ -34,14 +34,15 @@ __all__ = ["ShardedCommunicator"]
 
 class ShardedCommunicator(Communicator):
     name = "sharded"
+    group_kinds = ("intra", "cross")
 
     def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        super().__init__(groups, counters, chunk_bytes)
         if not groups.topology.is_uniform or groups.cross is None:
             raise ValueError(
                 f"sharded needs nodes of equal size, got node sizes {list(groups.topology.node_sizes)}"
             )
-        super().__init__(groups, counters, chunk_bytes)
 
     def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
         topo, groups = self.topology, self.groups
@@ -66,7 +67,7 @@ class ShardedCommunicator(Communicator):
             if i in allreduces:
                 self._wait("inter_allreduce", [allreduces.pop(i)], allreduce_bytes(mine.nbytes, nnodes))
             if divisor is not None and mine.numel():
-                mine.div_(divisor)
+                self._divide_(mine, divisor)
             if local > 1:
                 broadcasts.extend(dist.broadcast(s, src=members[j], group=groups.intra, async_op=True)
                                   for j, s in enumerate(pieces[i]) if s.numel())

@@ -1,0 +1,104 @@
+"""Single-process parts of the communicators: the averaging division, which groups each one needs."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+
+from hybrid.comm import ALGORITHMS, CommGroups, group_kinds_for, make_communicator
+from hybrid.comm.base import SUPPORTED_DTYPES, Communicator
+from hybrid.topology import Topology
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+@pytest.mark.parametrize("divisor", [1, 2, 3, 4, 6, 8, 64, 1024])
+def test_divide_matches_div_bit_for_bit(dtype, divisor):
+    gen = torch.Generator().manual_seed(divisor)
+    info = torch.finfo(dtype)
+    values = torch.cat([
+        torch.randn(4096, generator=gen, dtype=torch.float64) * 1e3,
+        torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0, 7.0]),
+        # the tiny end, where a result is subnormal and must be rounded the same way
+        torch.tensor([info.tiny, -info.tiny, info.tiny * 3, info.tiny / 2, info.max, -info.max]),
+        torch.tensor([float("inf"), float("-inf"), float("nan")]),
+    ]).to(dtype)
+    expected = values.clone().div_(divisor)
+    got = Communicator._divide_(values.clone(), divisor)
+    # Compare the raw bits: torch.equal treats NaN as unequal and -0.0 as 0.0.
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]
+    assert torch.equal(got.view(as_int), expected.view(as_int))
+
+
+def test_divide_works_in_place():
+    t = torch.full((5,), 8.0)
+    assert Communicator._divide_(t, 4) is t
+    assert torch.equal(t, torch.full((5,), 2.0))
+
+
+def _groups(topology, kinds):
+    """A CommGroups that built ``kinds`` (no process group is needed to check what is missing)."""
+    return CommGroups(topology, "gloo", "gloo", timedelta(seconds=1), world=None, intra=None,
+                      leaders=None, cross=None, kinds=frozenset(kinds))
+
+
+def test_each_algorithm_needs_only_its_groups():
+    even, uneven = Topology(0, ((0, 1), (2, 3))), Topology(0, ((0, 1, 2), (3,)))
+    assert group_kinds_for("flat", even) == ("world",)
+    assert group_kinds_for("hierarchical", even) == ("intra", "leaders")
+    assert group_kinds_for("sharded", even) == ("intra", "cross")
+    assert group_kinds_for("sharded", uneven) == ("intra", "leaders")  # it falls back to hierarchical
+    with pytest.raises(ValueError, match="'ring'"):
+        group_kinds_for("ring", even)
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_a_communicator_over_groups_it_does_not_have_names_them(algorithm):
+    topo = Topology(0, ((0, 1), (2, 3)))
+    others = {"flat": ["intra", "leaders", "cross"], "hierarchical": ["world"], "sharded": ["world", "leaders"]}
+    with pytest.raises(ValueError, match=rf"{algorithm} talks over the groups .* were not built"):
+        make_communicator(algorithm, _groups(topo, others[algorithm]))
+
+
+def test_group_kinds_outside_the_known_ones_are_refused():
+    with pytest.raises(ValueError, match=r"\['rings'\] are not among world, intra, leaders, cross"):
+        CommGroups.build(Topology(0, ((0,),)), kinds=["world", "rings"])
+
+
+def test_flat_falls_back_to_sum_and_divides_where_the_transport_cannot_average(monkeypatch):
+    """A torch whose gloo refuses ReduceOp.AVG: flat sums and divides itself, from then on."""
+    import torch.distributed as dist
+
+    from hybrid.comm import FlatCommunicator
+
+    calls = []
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        calls.append(op)
+        if op == dist.ReduceOp.AVG:
+            raise ValueError("Cannot use ReduceOp.AVG with Gloo")
+        tensor.mul_(4)  # what a SUM over 4 ranks holding the same tensor returns
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    topo = Topology(0, ((0, 1), (2, 3)))
+    comm = FlatCommunicator(_groups(topo, ["world"]))
+    assert comm.transport_avg  # gloo: averaging in the transport is tried first
+    x = torch.arange(6, dtype=torch.float32)
+    assert torch.equal(comm.all_reduce_mean_(x.clone()), x)
+    assert not comm.transport_avg and calls == [dist.ReduceOp.AVG, dist.ReduceOp.SUM]
+    assert torch.equal(comm.all_reduce_mean_(x.clone()), x)
+    assert calls[2:] == [dist.ReduceOp.SUM]  # no second try
+
+
+def test_flat_lets_other_all_reduce_errors_through(monkeypatch):
+    import torch.distributed as dist
+
+    from hybrid.comm import CommError, FlatCommunicator
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    comm = FlatCommunicator(_groups(Topology(0, ((0, 1), (2, 3))), ["world"]))
+    with pytest.raises(CommError, match="flat flat_allreduce failed on rank 0 .*Connection closed by peer"):
+        comm.all_reduce_mean_(torch.ones(3))
+    assert comm.transport_avg
