@@ -90,11 +90,7 @@ class Communicator(ABC):
             return tensor
         # Collectives need one contiguous buffer; DDP buckets already are one.
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-        if tensor.dtype in LOW_PRECISION:
-            self._divide_(flat, world)
-            self._sum_(flat, divisor=None)
-        else:
-            self._sum_(flat, divisor=world)
+        self._sum_(flat, divisor=self._prescale_(flat))
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
@@ -130,6 +126,18 @@ class Communicator(ABC):
             f"{self.name} {phase} failed on rank {topo.rank} (node {topo.node}, local rank "
             f"{topo.local_rank}) after {time.perf_counter() - start:.1f}s: {cause}"
         )
+
+    def _prescale_(self, flat: torch.Tensor) -> int | None:
+        """Apply the precision policy before the sum; return the divisor left for after it.
+
+        fp16/bf16 are divided by the world size here (None is left), fp32/fp64
+        keep the division for after the sum (the world size is returned).
+        """
+        world = self.topology.world_size
+        if flat.dtype in LOW_PRECISION:
+            self._divide_(flat, world)
+            return None
+        return world
 
     @staticmethod
     def _divide_(tensor: torch.Tensor, divisor: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hybrid.comm.base import DEFAULT_CHUNK_BYTES, LOW_PRECISION, Communicator
+from hybrid.comm.base import DEFAULT_CHUNK_BYTES, Communicator
 from hybrid.comm.counters import PhaseCounters, allreduce_bytes
 from hybrid.comm.groups import CommGroups
 
@@ -34,8 +34,11 @@ SPLIT_MIN_BYTES = 32 * 2**20  # below this the division is cheaper than a second
 TAIL_FRACTION = 8  # the tail is 1/8 of the tensor
 
 
-def _head_and_tail(flat: torch.Tensor) -> list[torch.Tensor]:
-    """The two pieces of a large tensor: a head, and a tail of 1/TAIL_FRACTION (views)."""
+def _pieces(flat: torch.Tensor, divisor: int | None) -> list[torch.Tensor]:
+    """What flat all-reduces: ``flat`` whole, or (averaging a large tensor) a head and a tail of
+    1/TAIL_FRACTION (views)."""
+    if divisor is None or flat.nbytes < SPLIT_MIN_BYTES:
+        return [flat]
     tail_len = max(1, flat.numel() // TAIL_FRACTION)
     return [flat[:-tail_len], flat[-tail_len:]]
 
@@ -71,13 +74,13 @@ class FlatCommunicator(Communicator):
 
     def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
         world = self.topology.world_size
-        if divisor is None or flat.nbytes < SPLIT_MIN_BYTES:
+        pieces = _pieces(flat, divisor)
+        if len(pieces) == 1:
             with self._phase("flat_allreduce", allreduce_bytes(flat.nbytes, world)):
                 _, averaged = self._all_reduce(flat, average=divisor is not None)
             if divisor is not None and not averaged:
                 self._divide_(flat, divisor)
             return
-        pieces = _head_and_tail(flat)
         with self._phase("flat_allreduce", 0):
             started = [self._all_reduce(piece, average=True, async_op=True) for piece in pieces]
         for piece, (work, averaged) in zip(pieces, started):
@@ -107,18 +110,12 @@ class FlatCommunicator(Communicator):
             ready.set_result(tensor)
             return ready
         flat = tensor.view(-1)
-        low_precision = tensor.dtype in LOW_PRECISION
-        if low_precision:
-            self._divide_(flat, world)
-            pieces = [flat]
-        elif flat.nbytes >= SPLIT_MIN_BYTES:
-            pieces = _head_and_tail(flat)
-        else:
-            pieces = [flat]
+        divisor = self._prescale_(flat)
+        pieces = _pieces(flat, divisor)
         start = time.perf_counter()
         if len(pieces) == 1:
-            return self._start_piece(flat, start, None if low_precision else world, tensor, on_done)
-        futures = [self._start_piece(piece, start, world, piece, None) for piece in pieces]
+            return self._start_piece(flat, start, divisor, tensor, on_done)
+        futures = [self._start_piece(piece, start, divisor, piece, None) for piece in pieces]
 
         def all_done(_: torch.futures.Future) -> torch.Tensor:
             for fut in futures:
