@@ -11,9 +11,10 @@ every interface of the machine. Node 0's agent therefore starts that server
 first, on a socket bound to the node's own address only (127.0.0.1 for a
 local run, the node's testbed address otherwise), as a multi-tenant store;
 the rendezvous then finds the server on that port in this process and uses
-it instead of opening its own. The workers connect to the same store
-(torch's agent-store sharing) and gloo binds to ``GLOO_SOCKET_IFNAME``, so no
-socket of a local job listens beyond its node.
+it instead of opening its own. The workers do not share it: rank 0 hosts a
+store of their own per (re)start, bound the same way (:mod:`hybrid.distributed`),
+and gloo binds to ``GLOO_SOCKET_IFNAME``, so no socket of a local job listens
+beyond its node.
 """
 
 from __future__ import annotations
@@ -46,11 +47,10 @@ def _store_on_node_address(endpoint: str, timeout_s: float) -> tuple[socket.sock
 
     from torch.distributed import TCPStore
 
+    from hybrid.distributed import listening_socket
+
     host, port = endpoint.rsplit(":", 1)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host, int(port)))
-    listener.listen(1024)
+    listener = listening_socket(host, int(port))
     store = TCPStore(host, int(port), is_master=True, multi_tenant=True, master_listen_fd=listener.fileno(),
                      wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     return listener, store

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from hybrid.topology import WorkerEnv
 
-__all__ = ["init_distributed", "shutdown_distributed"]
+__all__ = ["init_distributed", "listening_socket", "shutdown_distributed"]
 
 
 def init_distributed(timeout_s: float = 300.0) -> WorkerEnv:
@@ -60,14 +60,24 @@ def _job_store(rank: int, world_size: int, timeout: timedelta) -> Any:
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if rank != 0:
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    listener = listening_socket(host, port)
+    _LISTENERS.append(listener)
+    return dist.TCPStore(host, port, world_size, is_master=True, master_listen_fd=listener.fileno(),
+                         wait_for_workers=False, timeout=timeout)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host``:``port`` only, to hand to a TCPStore as ``master_listen_fd``.
+
+    torch's TCPStore server would listen on every interface; given this
+    socket, it serves on ``host``'s address alone.
+    """
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     listener = socket.socket(family, kind, proto)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(address)
     listener.listen(1024)
-    _LISTENERS.append(listener)
-    return dist.TCPStore(host, port, world_size, is_master=True, master_listen_fd=listener.fileno(),
-                         wait_for_workers=False, timeout=timeout)
+    return listener
 
 
 def shutdown_distributed() -> None:
