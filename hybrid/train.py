@@ -68,9 +68,15 @@ def check_devices(cfg: TrainConfig) -> None:
         )
 
 
+def _holds_something(path: Path) -> bool:
+    """A file, or a directory with anything in it (an empty one, e.g. ``checkpoints`` linked to a bigger
+    volume before the first run, holds no earlier run)."""
+    return path.is_file() or (path.is_dir() and any(path.iterdir()))
+
+
 def check_run_dir(run_dir: Path, resume: Any) -> None:
     """Never write into an earlier run's directory, unless resuming that very run."""
-    earlier = [name for name in ("metrics.json", "checkpoints", "tb") if (run_dir / name).exists()]
+    earlier = [name for name in ("metrics.json", "checkpoints", "tb") if _holds_something(run_dir / name)]
     if earlier and resume_target(resume, run_dir) != run_dir.resolve():
         raise ValueError(
             f"run dir {str(run_dir)!r} already holds a run ({', '.join(earlier)}): choose another "

@@ -15,6 +15,7 @@ import inspect
 import os
 import resource
 import statistics
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -131,6 +132,7 @@ def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
     """Train on this rank; rank 0 returns the final metrics (also written to metrics.json)."""
     env = init_distributed(cfg.comm.timeout_s)
     metrics: Metrics = NullMetrics()
+    failed = False
     try:
         # Under torchrun every rank has its own Hydra dir: rank 0's is the run's.
         run_path = Path(_broadcast_from_rank0(run_dir))
@@ -143,9 +145,18 @@ def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
         if env.rank == 0:
             metrics = TensorBoardMetrics(run_path / "tb")
         return train_on_rank(cfg, topology, device, run_path, metrics, env.rank)
+    except Exception as exc:
+        # Said at once: the agent reports the first worker it sees exit, and a peer that finds this rank's
+        # connections closed can exit before this one has recorded its error.
+        print(f"rank {env.rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        failed = True
+        raise
     finally:
         metrics.close()
-        shutdown_distributed()
+        if not failed:
+            # On failure the sockets close when this process exits, after torchelastic has recorded its
+            # error, so peers that then fail on the closed connection come second.
+            shutdown_distributed()
 
 
 def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path,
