@@ -102,3 +102,61 @@ def test_flat_lets_other_all_reduce_errors_through(monkeypatch):
     with pytest.raises(CommError, match="flat flat_allreduce failed on rank 0 .*Connection closed by peer"):
         comm.all_reduce_mean_(torch.ones(3))
     assert comm.transport_avg
+
+
+
+class _Done:
+    """A finished Work."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _fake_sharded_transport(monkeypatch):
+    """dist as rank 0 of a 2x2 job sees it when all four ranks hold the same tensor; records the calls."""
+    import torch.distributed as dist
+
+    calls = []
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        calls.append(("all_to_all_single", list(input_split_sizes), list(output_split_sizes)))
+        mine = input[:input_split_sizes[0]]  # what each of the node's 2 ranks sends local rank 0
+        output.copy_(torch.cat([mine, mine]))
+        return _Done()
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        calls.append(("all_reduce", tensor.numel()))
+        tensor.mul_(2)  # over the 2 nodes
+        return _Done()
+
+    def broadcast(tensor, src, group=None, async_op=False):
+        calls.append(("broadcast", src, tensor.numel()))
+        return _Done()
+
+    for name, fn in [("all_to_all_single", all_to_all_single), ("all_reduce", all_reduce),
+                     ("broadcast", broadcast)]:
+        monkeypatch.setattr(dist, name, fn)
+    topo = Topology(0, ((0, 1), (2, 3)))
+    groups = CommGroups(topo, "gloo", "gloo", timedelta(seconds=1), world=None, intra=object(),
+                        leaders=None, cross=object(), kinds=frozenset(["intra", "cross"]))
+    return make_communicator("sharded", groups), calls
+
+
+@pytest.mark.parametrize("numel, splits", [(8, [4, 4]), (7, [4, 3]), (1, [1, 0])])
+def test_sharded_reduce_scatters_with_one_all_to_all_and_a_local_sum(monkeypatch, numel, splits):
+    """Each worker sends shard j to local rank j in one all_to_all (unequal shards as unequal splits),
+    sums the copies of its own shard, all-reduces it across nodes, and broadcasts it in the node."""
+    comm, calls = _fake_sharded_transport(monkeypatch)
+    x = torch.arange(numel, dtype=torch.float32)
+    assert torch.equal(comm.all_reduce_mean_(x.clone()), x)
+    assert calls == [("all_to_all_single", splits, [splits[0]] * 2), ("all_reduce", splits[0]),
+                     *[("broadcast", j, n) for j, n in enumerate(splits) if n]]
+
+
+def test_sharded_pipelines_pieces_through_two_reused_inboxes(monkeypatch):
+    comm, calls = _fake_sharded_transport(monkeypatch)
+    comm.chunk_bytes = 4 * 4  # pieces of 4 floats: 5 pieces of a 20-element tensor
+    x = torch.arange(20, dtype=torch.float32)
+    assert torch.equal(comm.all_reduce_mean_(x.clone()), x)
+    assert [c[0] for c in calls].count("all_to_all_single") == 5
