@@ -46,7 +46,9 @@ from hybrid.topology import Layout
 
 __all__ = ["BenchOptions", "main", "parse_size", "run_bench"]
 
-ALGORITHM_CHOICES = ("flat", "hierarchical", "sharded", "torch", "torch-mean", "sharded-inter")
+# "hierarchical+bf16" etc.: that algorithm with its inter-node hop compressed (comm.inter_compression).
+COMPRESSED_CHOICES = tuple(f"{a}+{c}" for a in ("hierarchical", "sharded") for c in ("bf16", "fp16"))
+ALGORITHM_CHOICES = ("flat", "hierarchical", "sharded", "torch", "torch-mean", "sharded-inter", *COMPRESSED_CHOICES)
 DEFAULT_ALGORITHMS = ("flat", "hierarchical", "sharded", "torch")
 DTYPE_CHOICES = ("float32", "float64", "bfloat16", "float16")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -221,8 +223,11 @@ def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
                     fns[alg], runs_as[alg] = _inter_phase_only(groups), alg
                 else:
                     counters[alg] = PhaseCounters()
-                    comm = make_communicator(alg, groups, counters[alg], max(1, int(opts.chunk_mb * 2**20)))
-                    fns[alg], runs_as[alg] = comm.all_reduce_mean_, comm.name
+                    name, _, compression = alg.partition("+")
+                    comm = make_communicator(name, groups, counters[alg], max(1, int(opts.chunk_mb * 2**20)),
+                                             compression or "none")
+                    fns[alg] = comm.all_reduce_mean_
+                    runs_as[alg] = comm.name + (f"+{compression}" if compression else "")
             timings = _time_all(fns, tensor, opts, counters, nic)
             for alg in opts.algorithms:
                 timing = timings[alg]
@@ -292,7 +297,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
                    help=f"comma-separated subset of {','.join(ALGORITHM_CHOICES)} "
                         f"(default: {','.join(DEFAULT_ALGORITHMS)}); sharded-inter is sharded's inter-node "
-                        "phase alone; torch-mean is torch's all_reduce followed by the division that averaging needs")
+                        "phase alone; torch-mean is torch's all_reduce followed by the division that averaging needs; "
+                        "hierarchical+bf16 (or +fp16, sharded+...) compresses that algorithm's inter-node hop")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per size and algorithm (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="element type (default float32)")

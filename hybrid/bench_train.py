@@ -40,7 +40,9 @@ from hybrid.topology import Layout
 
 __all__ = ["TrainBenchOptions", "compose_settings", "main", "run_train_bench", "summarise"]
 
-COMM_CHOICES = ("ddp", "flat", "hierarchical", "sharded")
+# "hierarchical+bf16" etc.: that comm with comm.inter_compression set (its inter-node hop in 16 bits).
+COMM_CHOICES = ("ddp", "flat", "hierarchical", "sharded",
+                *(f"{c}+{k}" for c in ("hierarchical", "sharded") for k in ("bf16", "fp16")))
 
 
 @dataclass
@@ -65,7 +67,9 @@ def compose_settings(overrides: list[str], layout: str, comm: str, steps: int, t
     parsed = Layout.parse(layout)
     if not parsed.is_uniform:
         raise ValueError(f"layout {layout!r}: the trainer runs uniform layouts only (NNODESxNPROC, e.g. 2x4)")
-    ours = [f"comm={comm}", f"cluster.nnodes={parsed.nnodes}", f"cluster.nproc_per_node={parsed.node_sizes[0]}",
+    algorithm, _, compression = comm.partition("+")
+    ours = [f"comm={algorithm}", *([f"comm.inter_compression={compression}"] if compression else []),
+            f"cluster.nnodes={parsed.nnodes}", f"cluster.nproc_per_node={parsed.node_sizes[0]}",
             f"trainer.max_steps={steps}", f"trainer.log_every={steps}", "trainer.checkpoint_every=0",
             "trainer.resume=false", "trainer.stop_after=0"]
     if testbed_mbit:

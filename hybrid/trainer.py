@@ -200,7 +200,8 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
         if cfg.comm.algorithm != "ddp":
             groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend, cfg.comm.timeout_s,
                                       kinds=group_kinds_for(cfg.comm.algorithm, topology))
-            comm = make_communicator(cfg.comm.algorithm, groups, counters, cfg.comm.chunk_bytes)
+            comm = make_communicator(cfg.comm.algorithm, groups, counters, cfg.comm.chunk_bytes,
+                                     cfg.comm.inter_compression)
             hook = register_comm_hook(ddp, comm)
         return _loop(cfg, ddp, optimizer, scheduler, stream, counters, metrics, run_path, topology,
                      device, start_step, rank)
@@ -303,7 +304,7 @@ def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, schedule
     mean_step = sum(timed) / len(timed) if timed else float("nan")
     median_step = statistics.median(timed) if timed else float("nan")
     result = {
-        "comm": cfg.comm.algorithm, "nnodes": topology.nnodes,
+        "comm": cfg.comm.algorithm, "inter_compression": cfg.comm.inter_compression, "nnodes": topology.nnodes,
         "nproc_per_node": topology.node_sizes[0] if topology.is_uniform else list(topology.node_sizes),
         "world_size": topology.world_size, "steps": last, "steps_run": len(step_times),
         "final_loss": loss_value, "samples_per_s": samples_per_step / mean_step if timed else float("nan"),
@@ -317,6 +318,7 @@ def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, schedule
     metrics.hparams(
         {"nnodes": result["nnodes"], "nproc_per_node": str(result["nproc_per_node"]),
          "world_size": result["world_size"], "comm": result["comm"], "bucket_mb": cfg.comm.bucket_mb,
+         "inter_compression": cfg.comm.inter_compression,
          "model": cfg.model.name, "width": cfg.model.width, "depth": cfg.model.depth,
          "param_bytes": result["param_bytes"], "batch_size": cfg.data.batch_size,
          "optimizer": cfg.optim.name, "lr": cfg.optim.lr},

@@ -50,17 +50,19 @@ def test_nodes_are_separate_namespaces_and_the_link_is_really_shaped():
 @needs_testbed
 def test_bench_counts_the_bytes_crossing_each_nic_and_the_link_caps_utilisation(tmp_path):
     """2 nodes x 2 workers, 2 MiB: sharded's inter-node phase sends each worker's 1 MiB shard
-    once each way (2 MiB per NIC); a flat ring of 4 ranks crosses each NIC with 1.5 x 2 MiB."""
+    once each way (2 MiB per NIC); a flat ring of 4 ranks crosses each NIC with 1.5 x 2 MiB; with the
+    inter-node hop in bf16, hierarchical's leader and sharded's two workers put half of 2 MiB on it."""
     size, link_mbit = 2 * 2**20, 200
     out = subprocess.run(
         [sys.executable, "-m", "hybrid.bench", "--layout", "2x2", "--sizes", "2M", "--algorithms",
-         "sharded-inter,flat", "--iters", "2", "--warmup", "1", "--testbed-mbit", str(link_mbit),
+         "sharded-inter,flat,hierarchical+bf16,sharded+bf16", "--iters", "2", "--warmup", "1", "--testbed-mbit", str(link_mbit),
          "--output", str(tmp_path / "b.json")],
         capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "link use" in out.stdout
     rows = {r["algorithm"]: r for r in json.loads((tmp_path / "b.json").read_text())["results"]}
-    for name, payload in (("sharded-inter", size), ("flat", 1.5 * size)):
+    for name, payload in (("sharded-inter", size), ("flat", 1.5 * size), ("hierarchical+bf16", size / 2),
+                          ("sharded+bf16", size / 2)):
         row = rows[name]
         # Headers and a few barrier messages on top of the payload, never less than it.
         assert payload <= row["nic_tx_bytes"] < 1.15 * payload, (name, row["nic_tx_bytes"])

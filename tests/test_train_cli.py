@@ -99,6 +99,9 @@ BAD = [
     (["trainer.nonfinite_grads=ignore"], "trainer.nonfinite_grads='ignore' is not one of stop, skip"),
     (["trainer.check_replicas_every=often"], "trainer.check_replicas_every: Value 'often'"),
     (["+cluster=9x9"], "cluster="),
+    (["comm.inter_compression=int8"], "comm.inter_compression='int8' is not one of none, bf16, fp16"),
+    (["comm=flat", "comm.inter_compression=bf16"],
+     "comm.inter_compression='bf16' compresses the inter-node phase of hierarchical and sharded; comm=flat has none"),
 ]
 
 

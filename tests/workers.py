@@ -209,13 +209,14 @@ class Net(nn.Module):
 
 def train_ddp(
     comm_name: str, groups: CommGroups, base: nn.Module, steps: int, width: int,
-    bucket_cap_mb: float, seed: int,
+    bucket_cap_mb: float, seed: int, inter_compression: str = "none",
 ) -> dict[str, Any]:
     """SGD on rank-specific data; each step accumulates a no_sync micro-batch."""
     model = DDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb, find_unused_parameters=True)
     state = None
     if comm_name != "ddp":
-        state = register_comm_hook(model, make_communicator(comm_name, groups))
+        comm = make_communicator(comm_name, groups, inter_compression=inter_compression)
+        state = register_comm_hook(model, comm)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(seed + 1000 * dist.get_rank())
     overlapped = 0
@@ -302,7 +303,60 @@ def case_timeout(topo: Topology, groups: CommGroups, params: dict) -> dict[str, 
     return out
 
 
+def case_compression(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
+    """The inter-node hop in bf16/fp16: identical bits on every rank, within the wire's rounding of
+    torch's flat mean, half the inter-node bytes; and through the DDP hook, training that stays with DDP's."""
+    failures: list[str] = []
+    digests: list[str] = []
+    world, local, nnodes = topo.world_size, topo.local_world_size, topo.nnodes
+    for alg in ("hierarchical", "sharded"):
+        for kind, wire in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            comm = make_communicator(alg, groups, chunk_bytes=4096, inter_compression=kind)
+            for size in (1, 7, 10007):
+                gen = torch.Generator().manual_seed(101 * topo.rank + size)
+                x = torch.randn(size, generator=gen)
+                ref = flat_reference(x)
+                got = comm.all_reduce_mean_(x.clone(), key=("t", size))
+                digests.append(digest(got))
+                largest = x.abs().max()
+                dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+                # Each node's share (at most local * max|x| / world) is rounded once to the wire dtype, and
+                # each of the nnodes - 1 additions of the all-reduce rounds once more.
+                atol = 2 * nnodes * torch.finfo(wire).eps * local * float(largest) / world
+                try:
+                    torch.testing.assert_close(got, ref, rtol=0, atol=atol)
+                except AssertionError as exc:
+                    failures.append(f"{alg}/{kind}/n={size} rank {topo.rank}: {str(exc)[:300]}")
+            counters = PhaseCounters()
+            comm = make_communicator(alg, groups, counters, inter_compression=kind)
+            comm.all_reduce_mean_(torch.ones(1000))
+            sent = counters.snapshot()["inter_allreduce"].bytes
+            if alg == "hierarchical":
+                want = allreduce_bytes(1000 * 2, nnodes) if topo.is_leader else 0
+            else:
+                want = allreduce_bytes(torch.tensor_split(torch.ones(1000), local)[topo.local_rank].numel() * 2, nnodes)
+            if sent != want:
+                failures.append(f"{alg}/{kind} rank {topo.rank}: inter-node bytes {sent} != {want}")
+    if not same_on_all_ranks(digests):
+        failures.append(f"rank {topo.rank}: compressed results differ between ranks")
+    steps, width, depth = params.get("steps", 10), params.get("width", 64), params.get("depth", 10)
+    torch.manual_seed(0)
+    base = Net(width, depth)
+    runs = {name: train_ddp(name.split("/")[0], groups, base, steps, width, 0.01, seed=1,
+                            inter_compression=name.split("/")[1] if "/" in name else "none")
+            for name in ("ddp", "hierarchical/bf16", "sharded/fp16")}
+    training: dict[str, Any] = {}
+    for name in ("hierarchical/bf16", "sharded/fp16"):
+        run = runs[name]
+        gap = max((p - q).abs().max().item() for p, q in zip(run["params"], runs["ddp"]["params"]))
+        moved = max((p - q).abs().max().item() for p, q in zip(runs["ddp"]["params"], base.parameters()))
+        training[name] = {"identical_across_ranks": same_on_all_ranks(digest(run["params"])),
+                          "gap_to_ddp": gap, "ddp_moved": moved}
+    return {"failures": failures, "training": training}
+
+
 CASES: dict[str, Callable[[Topology, CommGroups, dict], Any]] = {
+    "compression": case_compression,
     "collectives": case_collectives,
     "counters": case_counters,
     "ddp": case_ddp,

@@ -12,6 +12,7 @@ This package does not import Hydra, TensorBoard or anything that touches files.
 """
 
 from hybrid.comm.base import LOW_PRECISION, SUPPORTED_DTYPES, CommError, Communicator
+from hybrid.comm.compression import INTER_COMPRESSIONS, InterCompressor
 from hybrid.comm.counters import PHASES, PhaseCounters, PhaseStats
 from hybrid.comm.ddp_hook import CommHookState, register_comm_hook
 from hybrid.comm.factory import ALGORITHMS, group_kinds_for, make_communicator
@@ -26,6 +27,7 @@ __all__ = [
     "BACKENDS",
     "COMM_CHOICES",
     "GROUP_KINDS",
+    "INTER_COMPRESSIONS",
     "LOW_PRECISION",
     "PHASES",
     "SUPPORTED_DTYPES",
@@ -36,6 +38,7 @@ __all__ = [
     "Communicator",
     "FlatCommunicator",
     "HierarchicalCommunicator",
+    "InterCompressor",
     "PhaseCounters",
     "PhaseStats",
     "ShardedCommunicator",

@@ -13,18 +13,26 @@ precision policy lives here, once, so the three algorithms cannot drift apart:
   input in magnitude, so no phase can overflow where the inputs are finite,
   even where a plain summing all-reduce of the same tensors would overflow
   to inf. The price is one rounding of x / world per element.
+
+With ``inter_compression`` (bf16/fp16), fp32/fp64 values are divided before
+the inter-node all-reduce instead, on the ranks that send them across nodes
+(see :mod:`hybrid.comm.compression`).
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from contextlib import contextmanager
-from typing import ClassVar, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator
 
 import torch
+import torch.distributed as dist
 
-from hybrid.comm.counters import PhaseCounters
+from hybrid.comm.compression import InterCompressor
+from hybrid.comm.counters import PhaseCounters, allreduce_bytes
 from hybrid.comm.groups import CommGroups
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "PIPELINE_WINDOW", "CommError", "Communicator", "LOW_PRECISION", "SUPPORTED_DTYPES"]
@@ -43,6 +51,15 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+@dataclass
+class _Inter:
+    """An inter-node all-reduce in flight: its Work, the tensor on the wire, whether it was pre-divided."""
+
+    work: Any
+    wire: torch.Tensor
+    divided: bool
+
+
 class CommError(RuntimeError):
     """A collective of one phase failed (peer gone, timeout); the message says where."""
 
@@ -59,7 +76,7 @@ class Communicator(ABC):
     group_kinds: ClassVar[tuple[str, ...]]
 
     def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, inter_compression: str = "none") -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be >= 1")
         missing = [k for k in self.group_kinds if k not in groups.kinds]
@@ -70,6 +87,7 @@ class Communicator(ABC):
         self.topology = groups.topology
         self.counters = counters if counters is not None else PhaseCounters()
         self.chunk_bytes = chunk_bytes
+        self.compressor = InterCompressor(inter_compression)
 
     def _chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Pipeline pieces of ``flat`` (views), each at most ``chunk_bytes`` long."""
@@ -82,27 +100,54 @@ class Communicator(ABC):
             for work in works:
                 work.wait()
 
-    def all_reduce_mean_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Replace ``tensor`` by its mean over all ranks and return it."""
+    def all_reduce_mean_(self, tensor: torch.Tensor, key: Hashable = None) -> torch.Tensor:
+        """Replace ``tensor`` by its mean over all ranks and return it.
+
+        ``key`` names a tensor that recurs every step (the DDP hook passes the
+        bucket index): with ``inter_compression``, its error-feedback residual
+        is kept under that name; without a key, tensors of one size share one.
+        """
         self._check_dtype(tensor)
         world = self.topology.world_size
         if tensor.numel() == 0 or world == 1:
             return tensor
         # Collectives need one contiguous buffer; DDP buckets already are one.
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-        self._sum_(flat, divisor=self._prescale_(flat))
+        self._sum_(flat, self._prescale_(flat), ("size", flat.numel()) if key is None else key)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
     @abstractmethod
-    def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
+    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable) -> None:
         """Sum ``flat`` (1-D, contiguous, non-empty) over all ranks in place.
 
         If ``divisor`` is given, the result must also be divided by it, on the
         rank(s) that own it before it is sent back out, so each element is
-        divided exactly once and every rank receives identical bits.
+        divided exactly once and every rank receives identical bits. ``key``
+        names ``flat`` for the inter-node compression's residuals.
         """
+
+    def _start_inter(self, tensor: torch.Tensor, group: Any, divisor: int | None, key: Hashable) -> _Inter:
+        """Start the inter-node all-reduce of ``tensor`` over ``group``, compressed where configured.
+
+        Compressed, ``tensor`` is divided first (the sum of 16-bit values then
+        stays in fp16's range, as in torch's fp16 compression hook) and the
+        16-bit copy travels; :meth:`_finish_inter` writes the result back.
+        """
+        if self.compressor.applies_to(tensor):
+            if divisor is not None:
+                self._divide_(tensor, divisor)
+            wire = self.compressor.compress_(tensor, key)
+            return _Inter(dist.all_reduce(wire, group=group, async_op=True), wire, divided=True)
+        return _Inter(dist.all_reduce(tensor, group=group, async_op=True), tensor, divided=False)
+
+    def _finish_inter(self, tensor: torch.Tensor, inter: _Inter, nnodes: int) -> bool:
+        """Wait for :meth:`_start_inter`'s all-reduce; return whether ``tensor`` is already divided."""
+        self._wait("inter_allreduce", [inter.work], allreduce_bytes(inter.wire.nbytes, nnodes))
+        if inter.wire is not tensor:
+            tensor.copy_(inter.wire)
+        return inter.divided
 
     @contextmanager
     def _phase(self, name: str, nbytes: int) -> Iterator[None]:

@@ -34,9 +34,10 @@ def group_kinds_for(algorithm: str, topology: Topology) -> tuple[str, ...]:
 
 def make_communicator(
     algorithm: str, groups: CommGroups, counters: PhaseCounters | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES, inter_compression: str = "none",
 ) -> Communicator:
-    """Build the named algorithm over ``groups``.
+    """Build the named algorithm over ``groups``; ``inter_compression`` (none, bf16, fp16) applies to
+    the inter-node phase of hierarchical and sharded (flat refuses it).
 
     ``sharded`` on nodes of unequal size falls back to ``hierarchical`` (its
     shards would not line up across nodes); the reason is logged and the
@@ -49,4 +50,4 @@ def make_communicator(
             "sharded needs nodes of equal size; node sizes %s are uneven, so using hierarchical",
             list(topo.node_sizes),
         )
-    return ALGORITHMS[runs_as](groups, counters, chunk_bytes)
+    return ALGORITHMS[runs_as](groups, counters, chunk_bytes, inter_compression)

@@ -19,6 +19,7 @@ average included). Below that the second collective costs more than it saves
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from typing import Any, Callable
 
 import torch
@@ -48,7 +49,11 @@ class FlatCommunicator(Communicator):
     group_kinds = ("world",)
 
     def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, inter_compression: str = "none") -> None:
+        if inter_compression != "none":
+            raise ValueError(
+                f"comm.inter_compression={inter_compression!r} compresses the inter-node phase of hierarchical "
+                "and sharded; flat has no separate inter-node phase: use none")
         super().__init__(groups, counters, chunk_bytes)
         # gloo's ReduceOp.AVG sums, then divides by the group size on gloo's own
         # thread: the very bits of sum-then-divide (tests/test_comm_multiprocess
@@ -72,7 +77,7 @@ class FlatCommunicator(Communicator):
                 self.transport_avg = False
         return dist.all_reduce(piece, group=group, async_op=async_op), False
 
-    def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
+    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable = None) -> None:
         world = self.topology.world_size
         pieces = _pieces(flat, divisor)
         if len(pieces) == 1:

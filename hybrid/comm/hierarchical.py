@@ -19,11 +19,13 @@ last broadcasts; leaders: all-reduce 0..n-1.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 import torch.distributed as dist
 
 from hybrid.comm.base import PIPELINE_WINDOW, Communicator
-from hybrid.comm.counters import allreduce_bytes, rooted_bytes
+from hybrid.comm.counters import rooted_bytes
 
 __all__ = ["HierarchicalCommunicator"]
 
@@ -32,7 +34,7 @@ class HierarchicalCommunicator(Communicator):
     name = "hierarchical"
     group_kinds = ("intra", "leaders")
 
-    def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
+    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable) -> None:
         topo, groups = self.topology, self.groups
         local, nnodes, window = topo.local_world_size, topo.nnodes, PIPELINE_WINDOW
         chunks = self._chunks(flat)
@@ -48,9 +50,8 @@ class HierarchicalCommunicator(Communicator):
         def finish(i: int) -> None:
             """Piece i is summed over all nodes: divide it on the leader, send it to the node."""
             if topo.is_leader:
-                if i in allreduces:
-                    self._wait("inter_allreduce", [allreduces.pop(i)], allreduce_bytes(chunks[i].nbytes, nnodes))
-                if divisor is not None:
+                divided = i in allreduces and self._finish_inter(chunks[i], allreduces.pop(i), nnodes)
+                if divisor is not None and not divided:
                     self._divide_(chunks[i], divisor)
             if local > 1:
                 broadcasts.append(dist.broadcast(chunks[i], src=topo.leader, group=groups.intra, async_op=True))
@@ -62,7 +63,7 @@ class HierarchicalCommunicator(Communicator):
                 self._wait("intra_reduce", [reduces.pop(i)], rooted_bytes(chunks[i].nbytes, local))
             reduce(i + window)
             if topo.is_leader and nnodes > 1:
-                allreduces[i] = dist.all_reduce(chunks[i], group=groups.leaders, async_op=True)
+                allreduces[i] = self._start_inter(chunks[i], groups.leaders, divisor, (key, i))
             if i >= window:
                 finish(i - window)
         for i in range(max(0, n - window), n):

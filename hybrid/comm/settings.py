@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid.comm.compression import INTER_COMPRESSIONS
 from hybrid.comm.factory import ALGORITHMS
 from hybrid.comm.groups import BACKENDS
 
@@ -28,6 +29,9 @@ class CommSettings:
     # second full-size gradient buffer (the trainer zeroes gradients in place so they
     # stay views). Applies to every comm, ddp included.
     grad_as_bucket_view: bool = True
+    # none | bf16 | fp16: the inter-node all-reduce of hierarchical / sharded travels in 16 bits, with
+    # error feedback; the intra-node phases stay full precision.
+    inter_compression: str = "none"
 
     @property
     def chunk_bytes(self) -> int:
@@ -40,6 +44,12 @@ class CommSettings:
             value = getattr(self, f"{level}_backend")
             if value not in BACKENDS:
                 raise ValueError(f"comm.{level}_backend={value!r} is not one of {', '.join(BACKENDS)}")
+        if self.inter_compression not in INTER_COMPRESSIONS:
+            raise ValueError(f"comm.inter_compression={self.inter_compression!r} is not one of "
+                             f"{', '.join(INTER_COMPRESSIONS)}")
+        if self.inter_compression != "none" and self.algorithm not in ("hierarchical", "sharded"):
+            raise ValueError(f"comm.inter_compression={self.inter_compression!r} compresses the inter-node phase of "
+                             f"hierarchical and sharded; comm={self.algorithm} has none: use none")
         if not self.bucket_mb > 0:
             raise ValueError(f"comm.bucket_mb={self.bucket_mb} must be > 0 (MiB per DDP bucket)")
         if not self.pipeline_chunk_mb > 0:

@@ -26,11 +26,13 @@ i-W"; cross: the all-reduces in piece order).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 import torch.distributed as dist
 
 from hybrid.comm.base import DEFAULT_CHUNK_BYTES, PIPELINE_WINDOW, Communicator
-from hybrid.comm.counters import PhaseCounters, allreduce_bytes, rooted_bytes
+from hybrid.comm.counters import PhaseCounters, rooted_bytes
 from hybrid.comm.groups import CommGroups
 
 __all__ = ["ShardedCommunicator"]
@@ -41,14 +43,14 @@ class ShardedCommunicator(Communicator):
     group_kinds = ("intra", "cross")
 
     def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-        super().__init__(groups, counters, chunk_bytes)
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, inter_compression: str = "none") -> None:
+        super().__init__(groups, counters, chunk_bytes, inter_compression)
         if not groups.topology.is_uniform or groups.cross is None:
             raise ValueError(
                 f"sharded needs nodes of equal size, got node sizes {list(groups.topology.node_sizes)}"
             )
 
-    def _sum_(self, flat: torch.Tensor, divisor: int | None) -> None:
+    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable) -> None:
         topo, groups = self.topology, self.groups
         local, nnodes, me, window = topo.local_world_size, topo.nnodes, topo.local_rank, PIPELINE_WINDOW
         members = topo.node_ranks
@@ -81,9 +83,8 @@ class ShardedCommunicator(Communicator):
         def finish(i: int) -> None:
             """My shard of piece i is summed over all nodes: divide it, all-gather the piece."""
             mine = pieces[i][me]
-            if i in allreduces:
-                self._wait("inter_allreduce", [allreduces.pop(i)], allreduce_bytes(mine.nbytes, nnodes))
-            if divisor is not None and mine.numel():
+            divided = i in allreduces and self._finish_inter(mine, allreduces.pop(i), nnodes)
+            if divisor is not None and mine.numel() and not divided:
                 self._divide_(mine, divisor)
             if local > 1:
                 broadcasts.extend(dist.broadcast(s, src=members[j], group=groups.intra, async_op=True)
@@ -99,7 +100,7 @@ class ShardedCommunicator(Communicator):
             reduce(i + window)  # into the inbox piece i has just emptied
             mine = pieces[i][me]
             if mine.numel() and nnodes > 1:
-                allreduces[i] = dist.all_reduce(mine, group=groups.cross, async_op=True)
+                allreduces[i] = self._start_inter(mine, groups.cross, divisor, (key, i))
             if i >= window:
                 finish(i - window)
         for i in range(max(0, n - window), n):

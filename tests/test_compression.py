@@ -1,0 +1,73 @@
+"""The inter-node compression's error feedback, alone, and where the settings allow it."""
+
+import pytest
+import torch
+
+from hybrid.comm import CommSettings
+from hybrid.comm.compression import InterCompressor
+
+
+@pytest.mark.parametrize("kind, wire", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_error_feedback_sends_what_should_have_been_sent_up_to_one_rounding(kind, wire):
+    """Sending the same value T times: the wire values add up to T x value, less the last residual only;
+    a plain cast would be off by T x its rounding error."""
+    gen = torch.Generator().manual_seed(0)
+    value = torch.randn(1000, generator=gen) * 1e-3
+    compressor = InterCompressor(kind)
+    sent = torch.zeros(1000, dtype=torch.float64)
+    steps = 64
+    for _ in range(steps):
+        out = compressor.compress_(value.clone(), key="bucket0")
+        assert out.dtype == wire
+        sent += out.double()
+    residual = compressor._residuals["bucket0"].double()
+    eps = torch.finfo(wire).eps
+    # Exactly (up to fp32 arithmetic on the residual): sum of wire values = T * value - final residual.
+    torch.testing.assert_close(sent + residual, steps * value.double(), rtol=0, atol=steps * 1e-9)
+    assert residual.abs().max() <= eps * value.abs().max() * 2
+    plain_error = (value.to(wire).double() - value.double()).abs().sum() * steps
+    fed_back_error = (sent - steps * value.double()).abs().sum()
+    assert fed_back_error < plain_error / 10
+
+
+def test_each_key_keeps_its_own_residual_and_a_new_shape_starts_over():
+    compressor = InterCompressor("bf16")
+    a, b = torch.full((4,), 1.001), torch.full((4,), -3.0007)
+    compressor.compress_(a.clone(), key=("bucket", 0))
+    compressor.compress_(b.clone(), key=("bucket", 1))
+    assert torch.equal(compressor._residuals[("bucket", 0)], a - a.to(torch.bfloat16).float())
+    assert torch.equal(compressor._residuals[("bucket", 1)], b - b.to(torch.bfloat16).float())
+    compressor.compress_(torch.ones(6), key=("bucket", 0))  # DDP rebuilt its buckets: another shape
+    assert torch.equal(compressor._residuals[("bucket", 0)], torch.zeros(6))
+    assert compressor.residual_bytes() == (6 + 4) * 4
+
+
+def test_an_overflowing_value_reaches_the_step_but_not_the_residual():
+    compressor = InterCompressor("fp16")
+    out = compressor.compress_(torch.tensor([1e6, 1.0, float("nan")]), key="k")
+    assert torch.isinf(out[0]) and torch.isnan(out[2])  # the step sees it (and stops or skips)
+    assert torch.equal(compressor._residuals["k"], torch.zeros(3))
+    assert torch.equal(compressor.compress_(torch.tensor([2.0, 2.0, 2.0]), key="k"), torch.full((3,), 2.0,
+                                                                                                 dtype=torch.float16))
+
+
+def test_low_precision_gradients_and_none_are_left_alone():
+    assert not InterCompressor("none").applies_to(torch.ones(2))
+    assert not InterCompressor("bf16").applies_to(torch.ones(2, dtype=torch.float16))
+    assert InterCompressor("fp16").applies_to(torch.ones(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("algorithm", ["hierarchical", "sharded"])
+def test_settings_accept_compression_for_the_two_level_algorithms(algorithm):
+    assert CommSettings(algorithm=algorithm, inter_compression="bf16").inter_compression == "bf16"
+
+
+@pytest.mark.parametrize("algorithm", ["flat", "ddp"])
+def test_settings_refuse_compression_where_there_is_no_inter_node_phase(algorithm):
+    with pytest.raises(ValueError, match=rf"comm.inter_compression='fp16' .* comm={algorithm} has none: use none"):
+        CommSettings(algorithm=algorithm, inter_compression="fp16")
+
+
+def test_settings_name_the_allowed_compressions():
+    with pytest.raises(ValueError, match=r"comm.inter_compression='int8' is not one of none, bf16, fp16"):
+        CommSettings(inter_compression="int8")
