@@ -227,7 +227,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
                     comm = make_communicator(name, groups, counters[alg], max(1, int(opts.chunk_mb * 2**20)),
                                              compression or "none")
                     fns[alg] = comm.all_reduce_mean_
-                    runs_as[alg] = comm.name + (f"+{compression}" if compression else "")
+                    # A 16-bit --dtype already travels in 16 bits: shown as running uncompressed.
+                    runs_as[alg] = comm.name + (f"+{compression}" if comm.compressor.applies_to(tensor) else "")
             timings = _time_all(fns, tensor, opts, counters, nic)
             for alg in opts.algorithms:
                 timing = timings[alg]

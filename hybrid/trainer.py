@@ -196,6 +196,7 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
               **_NO_BUFFER_SYNC)
     counters = PhaseCounters()
     hook = groups = None
+    finished = False
     try:
         if cfg.comm.algorithm != "ddp":
             groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend, cfg.comm.timeout_s,
@@ -203,12 +204,16 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
             comm = make_communicator(cfg.comm.algorithm, groups, counters, cfg.comm.chunk_bytes,
                                      cfg.comm.inter_compression)
             hook = register_comm_hook(ddp, comm)
-        return _loop(cfg, ddp, optimizer, scheduler, stream, counters, metrics, run_path, topology,
-                     device, start_step, rank)
+        result = _loop(cfg, ddp, optimizer, scheduler, stream, counters, metrics, run_path, topology,
+                       device, start_step, rank)
+        finished = True
+        return result
     finally:
         if hook is not None:
             hook.close()
-        if groups is not None:
+        if groups is not None and finished:
+            # On failure the groups' sockets close when this process exits, after its error is recorded
+            # (see run_worker): peers that fail on them then come second.
             groups.destroy()
 
 

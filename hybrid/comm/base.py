@@ -104,8 +104,9 @@ class Communicator(ABC):
         """Replace ``tensor`` by its mean over all ranks and return it.
 
         ``key`` names a tensor that recurs every step (the DDP hook passes the
-        bucket index): with ``inter_compression``, its error-feedback residual
-        is kept under that name; without a key, tensors of one size share one.
+        bucket index and size): with ``inter_compression``, its error-feedback
+        residual is kept under that name; without a key, tensors of one size
+        share one.
         """
         self._check_dtype(tensor)
         world = self.topology.world_size

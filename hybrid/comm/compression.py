@@ -46,8 +46,11 @@ class InterCompressor:
         """Add ``key``'s residual to ``value`` (in place), round it to the wire dtype, keep the new residual.
 
         ``key`` names the same slice of the gradient from step to step (the
-        DDP bucket and the pipeline piece); a key seen with another shape
-        starts over from a zero residual (DDP rebuilds its buckets once).
+        DDP bucket, its size and the pipeline piece); a key seen with another
+        shape starts over from a zero residual. DDP rebuilds its buckets once,
+        after the first step: a rebuilt bucket of the same index and size
+        inherits the old residual once, a misplaced correction of at most half
+        a 16-bit unit per element, after which the keys are stable.
         """
         residual = self._residuals.get(key)
         if residual is None or residual.shape != value.shape or residual.dtype != value.dtype \

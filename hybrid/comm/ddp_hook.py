@@ -134,10 +134,10 @@ class CommHookState:
                         stream = torch.cuda.Stream(device=job.tensor.device)
                     with torch.cuda.device(job.tensor.device), torch.cuda.stream(stream):
                         stream.wait_event(job.event)
-                        self.communicator.all_reduce_mean_(job.tensor, key=job.trace.index)
+                        self.communicator.all_reduce_mean_(job.tensor, key=(job.trace.index, job.tensor.numel()))
                         job.future.set_result(job.tensor)
                 else:
-                    self.communicator.all_reduce_mean_(job.tensor, key=job.trace.index)
+                    self.communicator.all_reduce_mean_(job.tensor, key=(job.trace.index, job.tensor.numel()))
                     job.future.set_result(job.tensor)
             except BaseException as exc:  # surfaced to DDP through the Future
                 self._error = exc
