@@ -48,7 +48,8 @@ __all__ = ["BenchOptions", "main", "parse_size", "run_bench"]
 
 # "hierarchical+bf16" etc.: that algorithm with its inter-node hop compressed (comm.inter_compression).
 COMPRESSED_CHOICES = tuple(f"{a}+{c}" for a in ("hierarchical", "sharded") for c in ("bf16", "fp16"))
-ALGORITHM_CHOICES = ("flat", "hierarchical", "sharded", "torch", "torch-mean", "sharded-inter", *COMPRESSED_CHOICES)
+ALGORITHM_CHOICES = ("flat", "hierarchical", "sharded", "auto", "torch", "torch-mean", "sharded-inter",
+                     *COMPRESSED_CHOICES)
 DEFAULT_ALGORITHMS = ("flat", "hierarchical", "sharded", "torch")
 DTYPE_CHOICES = ("float32", "float64", "bfloat16", "float16")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -225,10 +226,12 @@ def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
                     counters[alg] = PhaseCounters()
                     name, _, compression = alg.partition("+")
                     comm = make_communicator(name, groups, counters[alg], max(1, int(opts.chunk_mb * 2**20)),
-                                             compression or "none")
+                                             compression or "none", device=device)
                     fns[alg] = comm.all_reduce_mean_
                     # A 16-bit --dtype already travels in 16 bits: shown as running uncompressed.
                     runs_as[alg] = comm.name + (f"+{compression}" if comm.compressor.applies_to(tensor) else "")
+                    if name == "auto":  # what it picked for this size
+                        runs_as[alg] = f"auto:{comm.decide(tensor.nbytes, tensor.dtype).chosen}"
             timings = _time_all(fns, tensor, opts, counters, nic)
             for alg in opts.algorithms:
                 timing = timings[alg]

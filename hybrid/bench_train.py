@@ -41,7 +41,7 @@ from hybrid.topology import Layout
 __all__ = ["TrainBenchOptions", "compose_settings", "main", "run_train_bench", "summarise"]
 
 # "hierarchical+bf16" etc.: that comm with comm.inter_compression set (its inter-node hop in 16 bits).
-COMM_CHOICES = ("ddp", "flat", "hierarchical", "sharded",
+COMM_CHOICES = ("ddp", "flat", "hierarchical", "sharded", "auto",
                 *(f"{c}+{k}" for c in ("hierarchical", "sharded") for k in ("bf16", "fp16")))
 
 

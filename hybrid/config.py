@@ -39,6 +39,7 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_ACTIONS = ("stop", "skip")
+INTRA_MODES = ("process", "thread")
 
 
 @dataclass
@@ -57,6 +58,9 @@ class ClusterConfig:
     nproc_per_node: int = 2
     launch_timeout_s: float = 3600.0  # whole-job deadline of a local launch
     max_restarts: int = 0  # elastic restarts of a node's workers after a failure; they resume from the last checkpoint
+    # process: one process per device; thread: one process per node drives its nproc_per_node devices
+    # (nn.DataParallel-style replicas in threads; hybrid.node_parallel)
+    intra_mode: str = "process"
     testbed: TestbedConfig = field(default_factory=TestbedConfig)
 
 
@@ -131,6 +135,12 @@ class TrainConfig:
     def layout(self) -> Layout:
         return Layout.uniform(self.cluster.nnodes, self.cluster.nproc_per_node)
 
+    @property
+    def process_layout(self) -> Layout:
+        """The processes a launch starts: one per device, or one per node with ``cluster.intra_mode=thread``."""
+        per_node = 1 if self.cluster.intra_mode == "thread" else self.cluster.nproc_per_node
+        return Layout.uniform(self.cluster.nnodes, per_node)
+
 
 
 def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -163,11 +173,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _at_least("cluster.nproc_per_node", cfg.cluster.nproc_per_node, 1)
     _at_least("cluster.launch_timeout_s", cfg.cluster.launch_timeout_s, 1)
     _at_least("cluster.max_restarts", cfg.cluster.max_restarts, 0)
+    _one_of("cluster.intra_mode", cfg.cluster.intra_mode, INTRA_MODES)
     if not cfg.cluster.testbed.link_mbit > 0:
         raise ValueError(f"cluster.testbed.link_mbit={cfg.cluster.testbed.link_mbit!r} must be > 0")
     _at_least("cluster.testbed.burst_kb", cfg.cluster.testbed.burst_kb, 0)
     _at_least("cluster.testbed.latency_ms", cfg.cluster.testbed.latency_ms, 0.001)
     cfg.comm.__post_init__()  # algorithm, backends, bucket size, timeout
+    if cfg.cluster.intra_mode == "thread" and cfg.comm.algorithm != "hierarchical":
+        raise ValueError(
+            f"comm={cfg.comm.algorithm} is not available with cluster.intra_mode=thread, which is hierarchical by "
+            "construction (reduce inside the node process, all-reduce among node processes): use comm=hierarchical"
+        )
     _one_of("model.name", cfg.model.name, MODELS)
     for key in ("width", "depth", "channels", "heads"):
         _at_least(f"model.{key}", getattr(cfg.model, key), 1)

@@ -18,7 +18,12 @@ n nodes of g workers (N = n g ranks):
   bytes are 2(n-1)/n S / min(g, k) each: 2(n-1) alpha_e + 2(n-1)/n S beta_e / min(g, k).
 
 On one level (n = 1 or g = 1) the formulas fall back to a single ring on the
-level that is present. :func:`calibrate` fits alpha and beta per level from
+level that is present.
+
+The two-level algorithms pipeline a large tensor in pieces of ``chunk_bytes``
+(the communicator's ``pipeline_chunk_mb``): pass it to :func:`predict` and the
+total becomes one piece through every phase plus (k - 1) pieces at the pace
+of the slowest phase, the usual pipeline bound; without it the phases add up. :func:`calibrate` fits alpha and beta per level from
 ``hybrid.bench`` JSON (least squares on per-phase times), so predictions for
 clusters nobody here has use figures measured on the testbed.
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,7 +42,7 @@ from typing import Any, Iterable
 
 from hybrid.topology import Layout
 
-__all__ = ["Level", "Model", "calibrate", "predict", "predict_all"]
+__all__ = ["ALGORITHMS", "Level", "Model", "calibrate", "fit_level", "predict", "predict_all"]
 
 ALGORITHMS = ("flat", "hierarchical", "sharded")
 
@@ -70,33 +76,45 @@ def _rooted(level: Level, nbytes: float, p: int) -> float:
     return (p - 1) * level.alpha_s + (p - 1) / p * nbytes * level.beta_s_per_byte if p > 1 else 0.0
 
 
-def predict(model: Model, algorithm: str, layout: Layout, nbytes: float) -> dict[str, float]:
-    """Predicted seconds per phase (same names as the communicator's counters) and ``total``."""
+def predict(model: Model, algorithm: str, layout: Layout, nbytes: float,
+            chunk_bytes: float | None = None) -> dict[str, float]:
+    """Predicted seconds per phase (same names as the communicator's counters) and ``total``.
+
+    With ``chunk_bytes``, hierarchical and sharded are pipelined in pieces of
+    that size: each phase's figure is then its time for all pieces, and
+    ``total`` is the pipeline's (see the module docstring).
+    """
     if not layout.is_uniform:
         raise ValueError(f"the cost model needs nodes of equal size, got {list(layout.node_sizes)}")
+    if chunk_bytes is not None and not chunk_bytes > 0:
+        raise ValueError(f"chunk_bytes={chunk_bytes} must be > 0")
     n, g = layout.nnodes, layout.node_sizes[0]
     if algorithm == "flat":
         level = model.inter if n > 1 else model.intra
         phases = {"flat_allreduce": _ring_allreduce(level, nbytes, n * g)}
-    elif algorithm in ("hierarchical", "sharded"):
-        parallel = min(g, model.nics_per_node) if algorithm == "sharded" else 1
-        inter = Level(model.inter.alpha_s, model.inter.beta_s_per_byte / parallel)
-        phases = {
-            "intra_reduce": _rooted(model.intra, nbytes, g),
-            "inter_allreduce": _ring_allreduce(inter, nbytes, n),
-            "intra_broadcast": _rooted(model.intra, nbytes, g),
-        }
-    else:
+        phases["total"] = phases["flat_allreduce"]
+        return phases
+    if algorithm not in ("hierarchical", "sharded"):
         raise ValueError(f"algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-    phases["total"] = sum(phases.values())
+    parallel = min(g, model.nics_per_node) if algorithm == "sharded" else 1
+    inter = Level(model.inter.alpha_s, model.inter.beta_s_per_byte / parallel)
+    pieces = max(1, math.ceil(nbytes / chunk_bytes)) if chunk_bytes else 1
+    piece = nbytes / pieces
+    per_piece = {
+        "intra_reduce": _rooted(model.intra, piece, g),
+        "inter_allreduce": _ring_allreduce(inter, piece, n),
+        "intra_broadcast": _rooted(model.intra, piece, g),
+    }
+    phases = {name: t * pieces for name, t in per_piece.items()}
+    phases["total"] = sum(per_piece.values()) + (pieces - 1) * max(per_piece.values())
     return phases
 
 
-def predict_all(model: Model, layout: Layout, nbytes: float) -> dict[str, float]:
-    return {alg: predict(model, alg, layout, nbytes)["total"] for alg in ALGORITHMS}
+def predict_all(model: Model, layout: Layout, nbytes: float, chunk_bytes: float | None = None) -> dict[str, float]:
+    return {alg: predict(model, alg, layout, nbytes, chunk_bytes)["total"] for alg in ALGORITHMS}
 
 
-def _fit(points: list[tuple[float, float, float]]) -> Level:
+def fit_level(points: list[tuple[float, float, float]]) -> Level:
     """Least squares t = a * steps + b * bytes over (steps, bytes, seconds) points, a, b >= 0."""
     s_ss = sum(s * s for s, _, _ in points)
     s_bb = sum(b * b for _, b, _ in points)
@@ -132,7 +150,7 @@ def calibrate(reports: Iterable[dict[str, Any]], nics_per_node: int = 1) -> Mode
                 intra.append((g - 1, (g - 1) / g * size, phases["intra_reduce"]))
             if n > 1 and "inter_allreduce" in phases:
                 inter.append((2 * (n - 1), 2 * (n - 1) / n * size, phases["inter_allreduce"]))
-    return Model(_fit(intra), _fit(inter), nics_per_node)
+    return Model(fit_level(intra), fit_level(inter), nics_per_node)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -38,7 +38,8 @@ from typing import Any, Callable, Sequence
 
 from hybrid.topology import Layout
 
-__all__ = ["LOOPBACK", "LaunchError", "NodeNetwork", "free_port", "launch_local", "worker_threads"]
+__all__ = ["LOOPBACK", "LaunchError", "NodeNetwork", "free_port", "launch_local", "local_agent_env",
+           "worker_threads"]
 
 _LOCALHOST = "127.0.0.1"
 _RDZV_PORT_IN_NAMESPACE = 29500  # a fresh namespace has every port free
@@ -70,6 +71,15 @@ def free_port(host: str = _LOCALHOST) -> int:
 def worker_threads(world_size: int) -> int:
     """Intra-op threads per worker so the workers of one machine share its cores."""
     return max(1, (os.cpu_count() or 1) // max(1, world_size))
+
+
+def local_agent_env(world_size: int) -> dict[str, str]:
+    """Environment of an elastic agent whose node shares this machine with the job's other nodes."""
+    return {"OMP_NUM_THREADS": str(worker_threads(world_size)),
+            "TORCH_ELASTIC_WORKER_IDENTICAL": "0",
+            # Workers get a store of their own per (re)start, hosted by rank 0 on its node's
+            # address only (hybrid.distributed), not the agent's shared one on every interface.
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def launch_local(
@@ -111,11 +121,7 @@ def launch_local(
     }
     (job_dir / "meta.json").write_text(json.dumps(meta))
     (job_dir / "job.pkl").write_bytes(pickle.dumps((entrypoint, tuple(args))))
-    base_env = {**os.environ, "OMP_NUM_THREADS": str(worker_threads(layout.world_size)),
-                "TORCH_ELASTIC_WORKER_IDENTICAL": "0",
-                # Workers get a store of their own per (re)start, hosted by rank 0 on its node's
-                # address only (hybrid.distributed), not the agent's shared one on every interface.
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+    base_env = {**os.environ, **local_agent_env(layout.world_size), **(env or {})}
     agents: list[subprocess.Popen] = []
     try:
         for i, node in enumerate(nodes):

@@ -32,6 +32,8 @@ class Metrics:
 
     def status(self, line: str) -> None: ...
 
+    def text(self, tag: str, text: str, step: int) -> None: ...
+
     def hparams(self, hparams: dict[str, Any], final: dict[str, float]) -> None: ...
 
     def close(self) -> None: ...
@@ -54,6 +56,9 @@ class TensorBoardMetrics(Metrics):
 
     def status(self, line: str) -> None:
         print(line, file=sys.stdout, flush=True)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.writer.add_text(tag, text, step)
 
     def hparams(self, hparams: dict[str, Any], final: dict[str, float]) -> None:
         # run_name="." keeps the HParams entry in this run's own directory

@@ -7,7 +7,9 @@ time, per-phase communication time per step, samples/s and the speed-up over
 ``flat`` on the same cluster shape, next to the alpha-beta model's prediction
 of the communication time and its error. The model is calibrated on the
 sweep's own ``hierarchical`` jobs (per-phase times), or on bench JSON files
-given with ``--calibrate``.
+given with ``--calibrate``. Where the sweep ran ``comm=auto``, a last table
+sets each auto job against the fastest fixed algorithm on the same shape and
+model, with the choices auto made.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from hybrid.costmodel import Level, Model, _fit, calibrate, predict
+from hybrid.costmodel import Level, Model, calibrate, fit_level, predict
 from hybrid.topology import Layout
 
 __all__ = ["Job", "load_jobs", "main", "write_report"]
@@ -95,13 +97,49 @@ def calibrate_from_jobs(jobs: list[Job]) -> Model:
             intra.append(((g - 1) * len(buckets), (g - 1) / g * size, job.phase_s("intra_reduce")))
         if n > 1:
             inter.append((2 * (n - 1) * len(buckets), 2 * (n - 1) / n * size, job.phase_s("inter_allreduce")))
-    return Model(_fit(intra), _fit(inter))
+    return Model(fit_level(intra), fit_level(inter))
+
+
+FIXED = ("flat", "hierarchical", "sharded")
+
+
+def auto_choice(job: Job, nbytes: float) -> str:
+    """The algorithm an auto job ran for buckets of about ``nbytes``: its decision for the nearest size."""
+    decisions = job.metrics.get("comm_auto", {}).get("decisions", []) if job.metrics else []
+    if not decisions:
+        return "flat"
+    return min(decisions, key=lambda d: abs(d["bytes"] - nbytes))["chosen"]
 
 
 def predict_job(model: Model, job: Job) -> float | None:
     if not job.ok or job.comm == "ddp" or job.layout.world_size == 1:
         return None
-    return sum(predict(model, job.comm, job.layout, b)["total"] for b in job.buckets)
+    return sum(predict(model, auto_choice(job, b) if job.comm == "auto" else job.comm, job.layout, b)["total"]
+               for b in job.buckets)
+
+
+def auto_table(jobs: list[Job]) -> tuple[list[str], list[float]]:
+    """Markdown rows: each finished auto job against the fastest fixed algorithm (median step time) on its
+    shape and model; and the ratios auto / best."""
+    lines = ["## comm=auto against the fastest fixed algorithm", "",
+             "Median step time (the first step excluded); auto / best > 1 means auto was slower.", "",
+             "| model | shape | auto choices (bucket bytes: algorithm) | auto step ms | best fixed | best step ms "
+             "| auto / best |", "|" + " --- |" * 7]
+    ratios = []
+    for job in [j for j in jobs if j.ok and j.comm == "auto"]:
+        fixed = [f for f in jobs if f.ok and f.comm in FIXED and f.layout == job.layout and f.model == job.model]
+        if not fixed:
+            continue
+        best = min(fixed, key=lambda f: f.metrics["median_step_s"])
+        ratio = job.metrics["median_step_s"] / best.metrics["median_step_s"]
+        ratios.append(ratio)
+        lines.append(f"| {job.model} | {job.layout} | {job.metrics.get('runs_as', '-')} | "
+                     f"{_fmt(job.metrics['median_step_s'])} | {best.comm} | {_fmt(best.metrics['median_step_s'])} | "
+                     f"{ratio:.3f} |")
+    if ratios:
+        lines += ["", f"auto / best: worst {max(ratios):.3f}, median {statistics.median(ratios):.3f} over "
+                      f"{len(ratios)} shape(s) x model(s).", ""]
+    return (lines if ratios else []), ratios
 
 
 def _level(level: Level) -> str:
@@ -145,12 +183,15 @@ def write_report(sweep_dir: Path, jobs: list[Job], model: Model | None, out_md: 
                 f"{_fmt(comm_up, 1, 2)} | {_fmt(step_up, 1, 2)} | {_fmt(job.predicted_s)} | "
                 f"{_fmt(job.extra.get('error'), 100, 0) + '%' if 'error' in job.extra else '-'} |")
         lines.append("")
+    auto_lines, auto_ratios = auto_table(jobs)
+    lines += auto_lines
     missing = [j for j in jobs if not j.ok]
     lines += ["## Jobs without metrics (failed or still running)", ""]
     lines += [f"- {j.path.name}: {j.layout} {j.comm} {j.model}" for j in missing] or ["- none"]
     out_md.write_text("\n".join(lines) + "\n")
     _plot(jobs, out_png)
-    return {"jobs": len(jobs), "finished": len(jobs) - len(missing), "median_abs_error": median_error}
+    return {"jobs": len(jobs), "finished": len(jobs) - len(missing), "median_abs_error": median_error,
+            "auto_over_best": auto_ratios}
 
 
 def _plot(jobs: list[Job], out_png: Path) -> None:
@@ -168,7 +209,7 @@ def _plot(jobs: list[Job], out_png: Path) -> None:
         for row, (label, value) in enumerate((("step time", lambda j: j.metrics["mean_step_s"]),
                                               ("communication time", lambda j: j.comm_per_step_s))):
             ax = axes[row][col]
-            for comm in ("flat", "hierarchical", "sharded", "ddp"):
+            for comm in ("flat", "hierarchical", "sharded", "auto", "ddp"):
                 if comm == "ddp" and row == 1:
                     continue  # torch runs DDP's own all-reduce: no phase counters
                 points = sorted((shapes.index(j.layout), value(j) * 1e3) for j in done if j.comm == comm)

@@ -2,7 +2,8 @@
 
 Not under torchrun, it launches ``cluster.nnodes x cluster.nproc_per_node``
 workers itself (one torch elastic agent per simulated node); under torchrun
-every rank runs this app and the layout comes from torchrun. Before Hydra
+every rank runs this app and the layout comes from torchrun; under
+``-m hydra/launcher=slurm`` each submitit task runs one node (hybrid.slurm). Before Hydra
 starts, :func:`main` composes the config once to turn bad input into a
 one-line error (exit 2) and refuses to reuse an earlier run's directory.
 """
@@ -34,6 +35,13 @@ def under_torchrun() -> bool:
 def check_torchrun_layout(cfg: TrainConfig, overrides: list[str]) -> None:
     """Under torchrun the layout is torchrun's; an explicit cluster.* override must agree."""
     actual = {"nnodes": os.environ.get("GROUP_WORLD_SIZE"), "nproc_per_node": os.environ.get("LOCAL_WORLD_SIZE")}
+    if cfg.cluster.intra_mode == "thread":
+        # One process per node; cluster.nproc_per_node counts the devices (replicas) it drives.
+        if actual.pop("nproc_per_node") not in (None, "1"):
+            raise ValueError(
+                f"cluster.intra_mode=thread runs one process per node that drives its devices: start torchrun with "
+                f"--nproc-per-node 1 (it has {os.environ['LOCAL_WORLD_SIZE']}) and give cluster.nproc_per_node"
+            )
     for key, value in actual.items():
         given = any(o.split("=", 1)[0].lstrip("+~") == f"cluster.{key}" for o in overrides)
         if given and value is not None and int(value) != getattr(cfg.cluster, key):
@@ -48,6 +56,10 @@ def check_testbed(cfg: TrainConfig) -> None:
         return
     if under_torchrun():
         raise ValueError("cluster.testbed.enabled=true starts its own nodes: run it without torchrun")
+    from hybrid.slurm import in_submitit_task
+
+    if in_submitit_task():
+        raise ValueError("cluster.testbed.enabled=true starts its own nodes: run it without hydra/launcher=slurm")
     from hybrid.testbed import testbed_available
 
     reason = testbed_available()
@@ -94,18 +106,20 @@ def prepare(cfg: TrainConfig) -> None:
 
 
 def launch_job(settings: TrainConfig, entrypoint: Any, args: tuple) -> list[Any]:
-    """Launch the layout locally: on loopback, or one network namespace per node (testbed)."""
+    """Launch the layout locally: on loopback, or one network namespace per node (testbed).
+
+    One process per device, or one per node with ``cluster.intra_mode=thread`` (``process_layout``)."""
     from hybrid.launch import launch_local
 
     tb = settings.cluster.testbed
     restarts = settings.cluster.max_restarts
     if not tb.enabled:
-        return launch_local(settings.layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s,
+        return launch_local(settings.process_layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s,
                             max_restarts=restarts)
     from hybrid.testbed import LinkShape, Testbed
 
     with Testbed(settings.cluster.nnodes, LinkShape(tb.link_mbit, tb.burst_kb, tb.latency_ms)) as bed:
-        return launch_local(settings.layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s,
+        return launch_local(settings.process_layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s,
                             nodes=bed.nodes, max_restarts=restarts)
 
 
@@ -114,6 +128,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     settings: TrainConfig = validate(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
+    from hybrid.slurm import SlurmNode, in_submitit_task
     from hybrid.trainer import run_worker
 
     if under_torchrun():
@@ -121,6 +136,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if os.environ.get("RANK") == "0":
             check_run_dir(run_dir, settings.trainer.resume)
         result = run_worker(settings, str(run_dir) if os.environ.get("RANK") == "0" else None)
+    elif in_submitit_task():
+        # One task per node (hydra/launcher=slurm): this task is the node's elastic agent. Every task of
+        # the job has the same Hydra output dir, and every node checks it (no worker starts before the
+        # last node has joined), so a refusal stops all nodes at once instead of leaving them to wait.
+        node = SlurmNode.of_this_task(settings.cluster.nnodes)
+        check_run_dir(run_dir, settings.trainer.resume)
+        prepare(settings)
+        # Processes per node as in launch_job: one per device, or one with cluster.intra_mode=thread.
+        result = node.run(settings.process_layout.node_sizes[0], run_worker, (settings, str(run_dir)),
+                          timeout_s=settings.cluster.launch_timeout_s,
+                          max_restarts=settings.cluster.max_restarts).get(0)
     else:
         check_run_dir(run_dir, settings.trainer.resume)
         prepare(settings)

@@ -6,6 +6,10 @@ training are the gradient all-reduces of the chosen ``comm`` (plain DDP's, or
 the hybrid communicator's through the DDP comm hook). Start-up (topology,
 resume) and the end of the run (parameter checksums) exchange a little over
 the default group; nothing else synchronises.
+
+With ``cluster.intra_mode=thread`` a worker is a whole node driving its
+devices' replicas (:mod:`hybrid.node_parallel`); :func:`_loop` steps either
+through the small :class:`Replicas` interface.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,8 +32,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.checkpoint import checkpoint_steps, load_checkpoint, save_checkpoint
-from hybrid.comm import (PHASES, CommGroups, PhaseCounters, group_kinds_for, make_communicator,
-                         register_comm_hook)
+from hybrid.comm import (PHASES, AutoCommunicator, CommGroups, Communicator, PhaseCounters, group_kinds_for,
+                         make_communicator, register_comm_hook)
 from hybrid.config import TrainConfig, resume_target
 from hybrid.data import KIND_OF_MODEL, ArrayDataset, BatchStream, DatasetSpec, check_arrays, ensure_synthetic, load_arrays
 from hybrid.distributed import init_distributed, shutdown_distributed
@@ -38,8 +42,8 @@ from hybrid.models import build_model, param_bytes
 from hybrid.optim import build_optimizer, build_scheduler
 from hybrid.topology import Topology, discover_topology
 
-__all__ = ["ReplicaDivergence", "check_replicas", "grads_finite", "load_dataset", "param_checksum", "run_worker",
-           "train_on_rank"]
+__all__ = ["RankReplica", "ReplicaDivergence", "Replicas", "build_training", "check_replicas", "grads_finite",
+           "load_dataset", "param_checksum", "restore_training", "run_worker", "train_on_rank"]
 
 
 # Our models' buffers are constants (e.g. the causal mask): syncing them every
@@ -69,11 +73,15 @@ class ReplicaDivergence(RuntimeError):
     """Ranks that should hold identical parameters do not."""
 
 
-def check_replicas(model: nn.Module, step: int) -> None:
-    """Compare parameter checksums across ranks; raise on every rank, naming the ranks that differ."""
-    mine = param_checksum(model)
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+def check_replicas(model: nn.Module | Sequence[nn.Module], step: int) -> None:
+    """Compare parameter checksums across ranks; raise on every rank, naming the ranks that differ.
+
+    ``model`` may be this process's replicas in global rank order (intra_mode=thread: a node's
+    replicas, one process per node): ranks are then numbered across all of them."""
+    mine = [param_checksum(m) for m in ([model] if isinstance(model, nn.Module) else model)]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    every = [digest for digests in gathered for digest in digests]
     groups: dict[str, list[int]] = {}
     for r, digest in enumerate(every):
         groups.setdefault(digest, []).append(r)
@@ -128,6 +136,92 @@ def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int, where:
         raise ValueError(f"trainer.resume={str(where)!r} was written by world size {saved_world}, this run has {world}")
 
 
+def build_training(cfg: TrainConfig, dataset: ArrayDataset, device: torch.device) -> tuple[nn.Module, Any, Any]:
+    """Model, optimizer and LR schedule; the same initial weights in every process (the seed)."""
+    torch.manual_seed(cfg.trainer.seed)  # same initial weights on every rank
+    sample_shape = tuple(dataset[0][0].shape)
+    model = build_model(cfg.model.name, width=cfg.model.width, depth=cfg.model.depth,
+                        channels=cfg.model.channels, heads=cfg.model.heads, input_shape=sample_shape,
+                        classes=cfg.data.classes, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len).to(device)
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
+    return model, optimizer, scheduler
+
+
+def restore_training(cfg: TrainConfig, run_path: Path, rank: int, world_size: int, metrics: Metrics,
+                     model: nn.Module, optimizer: Any, scheduler: Any, streams: Sequence[BatchStream]) -> int:
+    """Load ``trainer.resume``'s checkpoint (or, after an elastic restart, this run's last one) into these
+    objects; return the step to start at (0: a fresh run). Collective over the default group."""
+    start_step = 0
+    source = resume_target(cfg.trainer.resume, run_path)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:
+        # The elastic agent restarted us after a failure: continue from this run's last
+        # checkpoint if it wrote one. Rank 0 owns the run dir, so rank 0 decides for all.
+        own = rank == 0 and bool(checkpoint_steps(run_path / "checkpoints"))
+        if _broadcast_from_rank0(own):
+            source = run_path
+            metrics.status(f"restart {restart}: resuming from the last checkpoint in {run_path / 'checkpoints'}")
+    if source is not None:
+        state = _broadcast_from_rank0(load_checkpoint(source, log=metrics.status) if rank == 0 else None)
+        _check_resumable(state, cfg, world_size, source)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        for stream in streams:  # every rank's stream stands at the same (epoch, batch)
+            stream.restore(state["data"])
+        torch.set_rng_state(state["rng"])
+        start_step = int(state["step"])
+        metrics.status(f"resumed from step {start_step} of {source}")
+    return start_step
+
+
+class Replicas(Protocol):
+    """What :func:`_loop` steps: this rank's DDP model (:class:`RankReplica`), or a node's replicas driven by
+    one process (``cluster.intra_mode=thread``, :class:`hybrid.node_parallel.NodeReplicas`)."""
+
+    module: nn.Module  # the parameters the optimizer steps, checkpoints and checksums see
+
+    def forward_backward(self, accum: int) -> torch.Tensor:
+        """Every micro-step of one step, leaving gradients averaged over all ranks in ``module``;
+        returns this (leading) rank's loss, summed over the micro-steps."""
+
+    def end_step(self) -> None:
+        """After the optimizer step (taken or skipped) and zero_grad."""
+
+    def local_models(self) -> list[nn.Module]:
+        """The replicas this process holds, in global rank order."""
+
+
+class RankReplica:
+    """Process mode: one replica per process, this rank's model under DDP."""
+
+    def __init__(self, ddp: DDP, stream: BatchStream, device: torch.device) -> None:
+        self.ddp, self.stream, self.device = ddp, stream, device
+
+    @property
+    def module(self) -> nn.Module:
+        return self.ddp.module
+
+    def forward_backward(self, accum: int) -> torch.Tensor:
+        total_loss = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            x, y = next(self.stream)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            # Only the last micro-step synchronises gradients.
+            with self.ddp.no_sync() if micro < accum - 1 else nullcontext():
+                loss = _loss(self.ddp, x, y) / accum
+                loss.backward()
+            total_loss += loss.detach()
+        return total_loss
+
+    def end_step(self) -> None:
+        pass  # every rank stepped its own replica with the same averaged gradients
+
+    def local_models(self) -> list[nn.Module]:
+        return [self.ddp.module]
+
+
 def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
     """Train on this rank; rank 0 returns the final metrics (also written to metrics.json)."""
     env = init_distributed(cfg.comm.timeout_s)
@@ -161,51 +255,34 @@ def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
 
 def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path,
            metrics: Metrics, rank: int) -> dict[str, Any] | None:
+    if cfg.cluster.intra_mode == "thread":
+        # This process is a whole node driving its devices' replicas (nn.DataParallel-style); same loop below.
+        from hybrid.node_parallel import train_node
+
+        return train_node(cfg, topology, device, run_path, metrics)
     dataset = load_dataset(cfg)
-    torch.manual_seed(cfg.trainer.seed)  # same initial weights on every rank
-    sample_shape = tuple(dataset[0][0].shape)
-    model = build_model(cfg.model.name, width=cfg.model.width, depth=cfg.model.depth,
-                        channels=cfg.model.channels, heads=cfg.model.heads, input_shape=sample_shape,
-                        classes=cfg.data.classes, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len).to(device)
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
+    model, optimizer, scheduler = build_training(cfg, dataset, device)
     stream = BatchStream(dataset, cfg.data.batch_size, topology.rank, topology.world_size, cfg.trainer.seed,
                          pin_memory=device.type == "cuda", num_workers=cfg.data.num_workers)
-    start_step = 0
-    source = resume_target(cfg.trainer.resume, run_path)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart:
-        # The elastic agent restarted us after a failure: continue from this run's last
-        # checkpoint if it wrote one. Rank 0 owns the run dir, so rank 0 decides for all.
-        own = rank == 0 and bool(checkpoint_steps(run_path / "checkpoints"))
-        if _broadcast_from_rank0(own):
-            source = run_path
-            metrics.status(f"restart {restart}: resuming from the last checkpoint in {run_path / 'checkpoints'}")
-    if source is not None:
-        state = _broadcast_from_rank0(load_checkpoint(source, log=metrics.status) if rank == 0 else None)
-        _check_resumable(state, cfg, topology.world_size, source)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        stream.restore(state["data"])
-        torch.set_rng_state(state["rng"])
-        start_step = int(state["step"])
-        metrics.status(f"resumed from step {start_step} of {source}")
+    start_step = restore_training(cfg, run_path, rank, topology.world_size, metrics, model, optimizer, scheduler,
+                                  [stream])
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
               **_NO_BUFFER_SYNC)
     counters = PhaseCounters()
-    hook = groups = None
+    hook = groups = comm = None
     finished = False
     try:
         if cfg.comm.algorithm != "ddp":
             groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend, cfg.comm.timeout_s,
                                       kinds=group_kinds_for(cfg.comm.algorithm, topology))
             comm = make_communicator(cfg.comm.algorithm, groups, counters, cfg.comm.chunk_bytes,
-                                     cfg.comm.inter_compression)
+                                     cfg.comm.inter_compression, device=device)
+            if isinstance(comm, AutoCommunicator):
+                metrics.status(describe_auto_calibration(comm))
             hook = register_comm_hook(ddp, comm)
-        result = _loop(cfg, ddp, optimizer, scheduler, stream, counters, metrics, run_path, topology,
-                       device, start_step, rank)
+        result = _loop(cfg, RankReplica(ddp, stream, device), optimizer, scheduler, stream, counters, metrics,
+                       run_path, topology, device, start_step, rank, comm)
         finished = True
         return result
     finally:
@@ -217,9 +294,53 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
             groups.destroy()
 
 
-def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, scheduler: Any, stream: BatchStream,
+def describe_auto_calibration(comm: AutoCommunicator) -> str:
+    """One status line: what auto measured at start-up (or that it had nothing to choose from)."""
+    if comm.model is None:
+        return f"comm=auto: only {comm.candidates[0]} applies to this layout; no calibration"
+    intra, inter = comm.model.intra, comm.model.inter
+
+    def level(lv: Any) -> str:
+        rate = f"{8e-9 / lv.beta_s_per_byte:.3g} Gbit/s" if lv.beta_s_per_byte > 0 else "bandwidth unresolved"
+        return f"alpha {lv.alpha_s * 1e6:.0f} us, {rate}"
+
+    return (f"comm=auto calibrated in {comm.calibration_s:.2f} s: intra {level(intra)}; inter {level(inter)}; "
+            f"choosing among {', '.join(comm.candidates)} per bucket size")
+
+
+def log_auto_decisions(comm: AutoCommunicator, metrics: Metrics, step: int, logged: set[int]) -> None:
+    """Send decisions not yet in ``logged`` (bucket sizes) to TensorBoard: predicted ms per candidate as
+    scalars, and one text table of every decision so far."""
+    report = comm.report()["decisions"]
+    new = [d for d in report if d["bytes"] not in logged]
+    if not new:
+        return
+    for d in new:
+        logged.add(d["bytes"])
+        tag = f"comm_auto/{d['bytes']}B"
+        metrics.scalars(step, {f"{tag}/predicted_{alg}_ms": s * 1e3 for alg, s in d["predicted_s"].items()})
+        metrics.status(f"comm=auto: {d['bytes'] / 2**20:.2f} MiB buckets -> {d['chosen']} (predicted "
+                       + ", ".join(f"{a} {s * 1e3:.1f} ms" for a, s in d["predicted_s"].items()) + ")")
+    rows = [f"| {d['bytes']} | {d['chosen']} | " + " | ".join(
+        f"{d['predicted_s'][a] * 1e3:.2f}" if a in d["predicted_s"] else "-" for a in comm.candidates) + " |"
+        for d in report]
+    table = "\n".join([f"| bucket bytes | chosen | {' | '.join(f'{a} ms' for a in comm.candidates)} |",
+                       "|" + " --- |" * (2 + len(comm.candidates)), *rows])
+    metrics.text("comm_auto/decisions", table, step)
+
+
+def _runs_as(comm: Communicator | None, cfg: TrainConfig) -> str:
+    """What actually ran: the algorithm (after any fallback), or auto's choices by bucket size."""
+    if comm is None:
+        return cfg.comm.algorithm
+    if isinstance(comm, AutoCommunicator):
+        return ",".join(f"{d['bytes']}:{d['chosen']}" for d in comm.report()["decisions"]) or "auto"
+    return comm.name
+
+
+def _loop(cfg: TrainConfig, replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: Any, stream: BatchStream,
           counters: PhaseCounters, metrics: Metrics, run_path: Path, topology: Topology,
-          device: torch.device, start_step: int, rank: int) -> dict[str, Any] | None:
+          device: torch.device, start_step: int, rank: int, comm: Communicator | None = None) -> dict[str, Any] | None:
     t = cfg.trainer
     accum = t.grad_accum_steps
     samples_per_step = cfg.data.batch_size * accum * topology.world_size
@@ -228,12 +349,13 @@ def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, schedule
     skipped = 0
     loss_value = float("nan")
     interval_start, interval_steps = time.perf_counter(), 0
+    auto_logged: set[int] = set()
 
     def checkpoint(step: int) -> None:
         if rank == 0:
             meta = {"model_config": asdict(cfg.model), "world_size": topology.world_size}
             save_checkpoint(run_path / "checkpoints", {
-                "model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(),
+                "model": replicas.module.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "step": step, "data": stream.state(),
                 "rng": torch.get_rng_state(), **meta,
             }, step, keep=t.keep_checkpoints, meta=meta)
@@ -241,17 +363,9 @@ def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, schedule
     last = t.max_steps if not t.stop_after else min(t.max_steps, start_step + t.stop_after)
     for step in range(start_step, last):
         started = time.perf_counter()
-        total_loss = torch.zeros((), device=device)
-        for micro in range(accum):
-            x, y = next(stream)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            # Only the last micro-step synchronises gradients.
-            with ddp.no_sync() if micro < accum - 1 else nullcontext():
-                loss = _loss(ddp, x, y) / accum
-                loss.backward()
-            total_loss += loss.detach()
+        total_loss = replicas.forward_backward(accum)
         # Gradients are averaged, so identical on every rank: every rank decides alike, no collective.
-        if grads_finite(ddp.module):
+        if grads_finite(replicas.module):
             optimizer.step()
         elif t.nonfinite_grads == "skip":
             skipped += 1
@@ -269,6 +383,7 @@ def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, schedule
         # one more pass over the gradients than DDP). Every parameter of our models gets a
         # gradient every step, so zeros and None give the same update.
         optimizer.zero_grad(set_to_none=not cfg.comm.grad_as_bucket_view)
+        replicas.end_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # honest step time; this is a local wait, not a collective
         step_times.append(time.perf_counter() - started)
@@ -288,23 +403,26 @@ def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, schedule
                 values[f"comm/{name}_s"] = stats.seconds
                 values[f"comm/{name}_bytes"] = float(stats.bytes)
             metrics.scalars(done, values)
+            if isinstance(comm, AutoCommunicator):
+                log_auto_decisions(comm, metrics, done, auto_logged)
             metrics.status(f"step {done}/{t.max_steps}  loss {loss_value:.4f}  lr {values['train/lr']:.4g}  "
                            f"{rate:.0f} samples/s  {step_times[-1] * 1e3:.1f} ms/step")
             interval_start, interval_steps = time.perf_counter(), 0
         if t.check_replicas_every and done % t.check_replicas_every == 0:
-            check_replicas(ddp.module, done)
+            check_replicas(replicas.local_models(), done)
         if t.checkpoint_every and done % t.checkpoint_every == 0 and done < last:
             checkpoint(done)
     checkpoint(last)
 
-    checksum = param_checksum(ddp.module)
+    checksums = [param_checksum(m) for m in replicas.local_models()]
+    checksum = checksums[0]
     # Linux reports the peak resident set in KiB: the high-water mark of this worker process.
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    gathered: list[Any] = [None] * topology.world_size
-    dist.all_gather_object(gathered, (checksum, peak_rss_mb))
+    gathered: list[Any] = [None] * dist.get_world_size()  # processes: one per rank, or per node (thread mode)
+    dist.all_gather_object(gathered, (checksums, peak_rss_mb))
     if rank != 0:
         return None
-    all_checksums = [g[0] for g in gathered]
+    all_checksums = [c for g in gathered for c in g[0]]
     timed = step_times[1:] or step_times  # the first step includes warm-up
     mean_step = sum(timed) / len(timed) if timed else float("nan")
     median_step = statistics.median(timed) if timed else float("nan")
@@ -316,14 +434,18 @@ def _loop(cfg: TrainConfig, ddp: DDP, optimizer: torch.optim.Optimizer, schedule
         "mean_step_s": mean_step, "median_step_s": median_step, "samples_per_step": samples_per_step,
         "peak_rss_mb": [g[1] for g in gathered], "skipped_steps": skipped, "comm_s": {k: v[0] for k, v in totals.items()},
         "bytes": {k: v[1] for k, v in totals.items()}, "param_checksum": checksum,
-        "param_checksums_identical": len(set(all_checksums)) == 1, "param_bytes": param_bytes(ddp.module),
+        "param_checksums_identical": len(set(all_checksums)) == 1, "param_bytes": param_bytes(replicas.module),
+        "intra_mode": cfg.cluster.intra_mode,
         "model": cfg.model.name, "bucket_mb": cfg.comm.bucket_mb, "batch_size": cfg.data.batch_size,
-        "device": str(device), "run_dir": str(run_path),
+        "device": str(device), "run_dir": str(run_path), "runs_as": _runs_as(comm, cfg),
     }
+    if isinstance(comm, AutoCommunicator):
+        result["comm_auto"] = comm.report()
     metrics.hparams(
         {"nnodes": result["nnodes"], "nproc_per_node": str(result["nproc_per_node"]),
-         "world_size": result["world_size"], "comm": result["comm"], "bucket_mb": cfg.comm.bucket_mb,
-         "inter_compression": cfg.comm.inter_compression,
+         "world_size": result["world_size"], "comm": result["comm"], "intra_mode": cfg.cluster.intra_mode,
+         "bucket_mb": cfg.comm.bucket_mb,
+         "inter_compression": cfg.comm.inter_compression, "runs_as": result["runs_as"],
          "model": cfg.model.name, "width": cfg.model.width, "depth": cfg.model.depth,
          "param_bytes": result["param_bytes"], "batch_size": cfg.data.batch_size,
          "optimizer": cfg.optim.name, "lr": cfg.optim.lr},

@@ -22,7 +22,7 @@ PLANS: dict[str, tuple[list[str], dict]] = {
     "1x1": (["collectives", "counters"], {}),
     "1x4": (["collectives", "counters"], {}),
     "2x2": (
-        ["collectives", "counters", "bad_layout", "ddp", "ddp_long", "compression", "timeout"],
+        ["collectives", "counters", "bad_layout", "ddp", "ddp_long", "compression", "auto", "timeout"],
         {"ddp": PARITY, "ddp_long": {**LONG, "comms": ["flat", "hierarchical", "sharded"]},
          "timeout": {"comm_timeout_s": 2.0}},
     ),
@@ -35,7 +35,7 @@ PLANS: dict[str, tuple[list[str], dict]] = {
     ),
     "2x3": (["collectives", "counters", "ddp", "compression"], {"ddp": PARITY}),
     "3x1": (["collectives", "counters"], {}),
-    "3,1": (["collectives", "counters", "ddp"], {"ddp": PARITY}),
+    "3,1": (["collectives", "counters", "ddp", "auto"], {"ddp": PARITY}),
     "2,1,1": (["collectives", "counters"], {}),
 }
 
@@ -134,3 +134,18 @@ def test_failing_collective_raises_within_timeout():
             assert outcome["elapsed"] < 2 * timeout_s + 5, outcome
             assert outcome["message"].startswith(f"{alg} "), outcome
             assert f"on rank {rank_result['rank']} " in outcome["message"]
+
+
+@pytest.mark.parametrize("layout", ["2x2", "3,1"])
+def test_auto_calibrates_alike_everywhere_and_mixes_algorithms_by_bucket_size(layout):
+    """comm=auto: every rank fits the same alpha/beta per level; its mean is torch's flat mean to the bit;
+    with small buckets sent flat and large ones hierarchical, 10 DDP steps match plain DDP."""
+    for rank_result in job(layout):
+        auto = rank_result["auto"]
+        assert auto["failures"] == []
+        assert auto["candidates"] == (["flat", "hierarchical", "sharded"] if layout == "2x2" else ["flat", "hierarchical"])
+        for level in ("intra", "inter"):
+            assert auto["model"][level]["beta_s_per_byte"] > 0  # a measured bandwidth, not a default
+        assert auto["bucket_choices"] == ["flat", "hierarchical"]  # both paths of the hook were taken
+        assert auto["matches_ddp"] == "yes", auto["matches_ddp"]
+        assert auto["identical_across_ranks"]

@@ -58,7 +58,7 @@ def test_stable_names_scripts_rely_on():
 @pytest.mark.parametrize(
     "field,value,needle",
     [
-        ("algorithm", "ring", "'ring' is not one of flat, hierarchical, sharded, ddp"),
+        ("algorithm", "ring", "'ring' is not one of flat, hierarchical, sharded, auto, ddp"),
         ("intra_backend", "mpi", "comm.intra_backend='mpi' is not one of auto, gloo, nccl"),
         ("bucket_mb", 0, "comm.bucket_mb=0 must be > 0"),
         ("timeout_s", -1, "comm.timeout_s=-1 must be > 0"),

@@ -12,7 +12,7 @@ from hybrid.config import ClusterConfig, CommConfig, ModelConfig, TrainConfig
 MB25 = 25 * 2**20
 
 
-def make_job(root, num, nnodes, nproc, comm, comm_s=None, step_s=1.0, finished=True):
+def make_job(root, num, nnodes, nproc, comm, comm_s=None, step_s=1.0, finished=True, extra=None):
     job = root / str(num)
     (job / ".hydra").mkdir(parents=True)
     cfg = TrainConfig(cluster=ClusterConfig(nnodes, nproc), comm=CommConfig(algorithm=comm),
@@ -23,8 +23,8 @@ def make_job(root, num, nnodes, nproc, comm, comm_s=None, step_s=1.0, finished=T
         phases.update(comm_s or {})
         (job / "metrics.json").write_text(json.dumps({
             "steps": 10, "steps_run": 10, "comm_s": {k: v * 10 for k, v in phases.items()},
-            "bytes": {k: 0 for k in phases}, "mean_step_s": step_s, "samples_per_s": 256 / step_s,
-            "param_bytes": MB25, "final_loss": 1.0}))
+            "bytes": {k: 0 for k in phases}, "mean_step_s": step_s, "median_step_s": step_s,
+            "samples_per_s": 256 / step_s, "param_bytes": MB25, "final_loss": 1.0, **(extra or {})}))
 
 
 def test_report_tables_speedups_failures_and_plot(tmp_path):
@@ -57,3 +57,21 @@ def test_report_rejects_a_directory_without_jobs(tmp_path):
     out = subprocess.run([sys.executable, "-m", "hybrid.report", str(tmp_path)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "holds no Hydra jobs" in out.stderr
+
+
+def test_auto_jobs_are_set_against_the_fastest_fixed_algorithm(tmp_path):
+    make_job(tmp_path, 0, 2, 4, "flat", {"flat_allreduce": 0.8}, step_s=1.2)
+    make_job(tmp_path, 1, 2, 4, "hierarchical", {"intra_reduce": 0.1, "inter_allreduce": 0.3}, step_s=0.9)
+    make_job(tmp_path, 2, 2, 4, "sharded", {"intra_reduce": 0.1, "inter_allreduce": 0.25}, step_s=0.85)
+    decisions = [{"bytes": 2**20, "chosen": "flat", "predicted_s": {}}, {"bytes": MB25, "chosen": "hierarchical",
+                                                                        "predicted_s": {}}]
+    make_job(tmp_path, 3, 2, 4, "auto", {"intra_reduce": 0.1, "inter_allreduce": 0.3}, step_s=0.88,
+             extra={"comm_auto": {"decisions": decisions}, "runs_as": f"1048576:flat,{MB25}:hierarchical"})
+    out = subprocess.run([sys.executable, "-m", "hybrid.report", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = (tmp_path / "report.md").read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| mlp w1024 d6 | 2x4 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[2:] == [f"1048576:flat,{MB25}:hierarchical", "880.0", "sharded", "850.0", "1.035"]
+    assert "auto / best: worst 1.035" in report

@@ -85,7 +85,7 @@ def test_tensorboard_has_per_phase_scalars_and_hparams(default_run):
 BAD = [
     (["cluster.nnodes=0"], "cluster.nnodes=0 must be >= 1"),
     (["data.batch_size=-4"], "data.batch_size=-4 must be >= 1"),
-    (["comm=ring"], "comm='ring' is not one of ddp, flat, hierarchical, sharded"),
+    (["comm=ring"], "comm='ring' is not one of auto, ddp, flat, hierarchical, sharded"),
     (["model=resnet"], "model='resnet' is not one of cnn, mlp, transformer"),
     (["data=files", "data.inputs=/no/such/file.npy"], "data.inputs='/no/such/file.npy' does not exist"),
     (["optim.lr=fast"], "optim.lr: Value 'fast' of type 'str' could not be converted to Float"),
@@ -101,7 +101,7 @@ BAD = [
     (["+cluster=9x9"], "cluster="),
     (["comm.inter_compression=int8"], "comm.inter_compression='int8' is not one of none, bf16, fp16"),
     (["comm=flat", "comm.inter_compression=bf16"],
-     "comm.inter_compression='bf16' compresses the inter-node phase of hierarchical and sharded; comm=flat has none"),
+     "comm.inter_compression='bf16' compresses the inter-node phase of hierarchical and sharded (and auto's choices of them); comm=flat has none"),
 ]
 
 
@@ -111,7 +111,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
     out = hybrid_train("comm=ring", cwd=tmp_path, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "error: comm='ring' is not one of ddp, flat, hierarchical, sharded"]
+        "error: comm='ring' is not one of auto, ddp, flat, hierarchical, sharded"]
     assert time.monotonic() - start < 30
     assert list(tmp_path.iterdir()) == []
 
@@ -181,9 +181,9 @@ def test_resume_of_a_non_run_or_another_model_is_refused_before_anything_runs(tm
 def test_help_lists_the_config_groups(tmp_path):
     out = hybrid_train("--help", cwd=tmp_path, timeout=60)
     assert out.returncode == 0
-    for line in ("cluster: 1x2, 1x4, 2x1, 2x2, 2x4, 4x1, 4x2, local", "comm: ddp, flat, hierarchical, sharded",
+    for line in ("cluster: 1x2, 1x4, 2x1, 2x2, 2x4, 4x1, 4x2, local", "comm: auto, ddp, flat, hierarchical, sharded",
                  "model: cnn, mlp, transformer", "data: files, synthetic", "optim: adamw, sgd", "trainer: default",
-                 "experiment: flat_vs_hier, flat_vs_hier_small"):
+                 "experiment: auto_vs_fixed, flat_vs_hier, flat_vs_hier_small"):
         assert line in out.stdout
 
 

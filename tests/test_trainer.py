@@ -41,6 +41,7 @@ PLANS = {
         ("accum", {"comm": {"algorithm": "hierarchical"}, "trainer": {"grad_accum_steps": 2}}),
         ("hierarchical+bf16", {"comm": {"algorithm": "hierarchical", "inter_compression": "bf16"}}),
         ("sharded+fp16", {"comm": {"algorithm": "sharded", "inter_compression": "fp16"}}),
+        ("auto", {"comm": {"algorithm": "auto"}}),
     ],
     "4x2": [(c, {"comm": {"algorithm": c}}) for c in COMMS],
 }
@@ -89,6 +90,25 @@ def test_a_compressed_inter_node_hop_sends_half_the_bytes_and_trains_like_ddp(na
     gap = max((state[k] - v).abs().max().item() for k, v in reference.items())
     assert 0 < gap < 5e-3, gap  # 20 steps at lr 0.1: 16-bit rounding with error feedback, not a different run
     assert abs(metrics["final_loss"] - results["ddp"]["final_loss"]) < 0.01 * results["ddp"]["final_loss"]
+
+
+def test_auto_records_its_calibration_and_choices_and_trains_like_ddp():
+    root, results = job("2x2")
+    metrics = results["auto"]
+    auto = metrics["comm_auto"]
+    assert auto["candidates"] == ["flat", "hierarchical", "sharded"] and auto["calibration_s"] > 0
+    assert auto["model"]["inter"]["beta_s_per_byte"] > 0 and auto["model"]["intra"]["beta_s_per_byte"] > 0
+    assert auto["decisions"], auto
+    for d in auto["decisions"]:
+        assert d["chosen"] == min(d["predicted_s"], key=d["predicted_s"].get)
+        # What ran is what was chosen: the chosen algorithm's phases moved bytes.
+        phase = "flat_allreduce" if d["chosen"] == "flat" else "intra_reduce"
+        assert metrics["bytes"][phase] > 0, (d, metrics["bytes"])
+    assert metrics["runs_as"] == ",".join(f"{d['bytes']}:{d['chosen']}" for d in auto["decisions"])
+    assert metrics["param_checksums_identical"]
+    reference, state = model_state(root / "ddp"), model_state(root / "auto")
+    for key, tensor in reference.items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_twenty_steps_plus_resume_equals_forty_straight_bitwise():

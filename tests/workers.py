@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.comm import (
     ALGORITHMS,
+    AutoCommunicator,
     CommError,
     CommGroups,
     PhaseCounters,
@@ -26,6 +27,7 @@ from hybrid.comm import (
     register_comm_hook,
 )
 from hybrid.comm.counters import allreduce_bytes, rooted_bytes
+from hybrid.costmodel import Level, Model
 from hybrid.distributed import init_distributed, shutdown_distributed
 from hybrid.topology import Layout, Topology, discover_topology
 
@@ -209,13 +211,15 @@ class Net(nn.Module):
 
 def train_ddp(
     comm_name: str, groups: CommGroups, base: nn.Module, steps: int, width: int,
-    bucket_cap_mb: float, seed: int, inter_compression: str = "none",
+    bucket_cap_mb: float, seed: int, inter_compression: str = "none", comm: Any = None,
 ) -> dict[str, Any]:
-    """SGD on rank-specific data; each step accumulates a no_sync micro-batch."""
+    """SGD on rank-specific data; each step accumulates a no_sync micro-batch.
+
+    ``comm``: an already built communicator to hook in (else one is made from ``comm_name``)."""
     model = DDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb, find_unused_parameters=True)
     state = None
     if comm_name != "ddp":
-        comm = make_communicator(comm_name, groups, inter_compression=inter_compression)
+        comm = comm or make_communicator(comm_name, groups, inter_compression=inter_compression)
         state = register_comm_hook(model, comm)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(seed + 1000 * dist.get_rank())
@@ -355,7 +359,53 @@ def case_compression(topo: Topology, groups: CommGroups, params: dict) -> dict[s
     return {"failures": failures, "training": training}
 
 
+def case_auto(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
+    """comm=auto: a calibration every rank agrees on, torch's flat mean to the bit, and (with a model
+    that sends small buckets flat and large ones hierarchical) DDP training that matches plain DDP."""
+    import json
+
+    failures: list[str] = []
+    comm = make_communicator("auto", groups)
+    report = comm.report()
+    if not same_on_all_ranks(json.dumps(report["model"], sort_keys=True)):
+        failures.append(f"rank {topo.rank}: calibrated model differs between ranks: {report['model']}")
+    # Small buckets pay the intra level's 1 ms per step twice; above ~8 KB flat's 1.5x the bytes on the
+    # slow link cost more (2x2; on uneven 3,1 the threshold differs but both choices still occur).
+    forced = Model(Level(1e-3, 0.0), Level(0.0, 4e-3 / 8192))
+    counters = PhaseCounters()
+    split = AutoCommunicator(groups, counters, model=forced)
+    for size in (1, 7, 2**20 + 3):
+        x = torch.randint(-50, 50, (size,), generator=torch.Generator().manual_seed(7 * topo.rank + size)).float()
+        for name, c in (("calibrated", comm), ("forced", split)):
+            got = c.all_reduce_mean_(x.clone())
+            if digest(got) != digest(flat_reference(x)):
+                failures.append(f"{name} auto, {size} values, rank {topo.rank}: differs from torch's flat mean")
+    chosen = {d["bytes"]: d["chosen"] for d in split.report()["decisions"]}
+    if chosen != {4: "flat", 28: "flat", (2**20 + 3) * 4: "hierarchical"}:
+        failures.append(f"rank {topo.rank}: forced model chose {chosen}")
+    seconds = counters.snapshot()
+    if not (seconds["flat_allreduce"].bytes > 0 and (seconds["intra_reduce"].bytes > 0 or seconds["inter_allreduce"].bytes > 0)):
+        failures.append(f"rank {topo.rank}: both algorithms should have run: {seconds}")
+    steps, width, depth = params.get("steps", 10), params.get("width", 64), params.get("depth", 10)
+    torch.manual_seed(0)
+    base = Net(width, depth)
+    hooked = AutoCommunicator(groups, model=forced)
+    ref = train_ddp("ddp", groups, base, steps, width, 0.01, seed=1)
+    run = train_ddp("auto", groups, base, steps, width, 0.01, seed=1, comm=hooked)
+    bucket_choices = sorted({d["chosen"] for d in hooked.report()["decisions"]})
+    try:
+        for got, want in zip(run["params"], ref["params"]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        matches = "yes"
+    except AssertionError as exc:
+        matches = str(exc)[:400]
+    return {"failures": failures, "model": report["model"], "candidates": report["candidates"],
+            "bucket_choices": bucket_choices, "matches_ddp": matches,
+            "identical_across_ranks": same_on_all_ranks(digest(run["params"]))}
+
+
 CASES: dict[str, Callable[[Topology, CommGroups, dict], Any]] = {
+    "auto": case_auto,
     "compression": case_compression,
     "collectives": case_collectives,
     "counters": case_counters,

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
@@ -118,6 +118,12 @@ class Communicator(ABC):
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
+
+    def starter_for(self, tensor: torch.Tensor) -> Callable[..., "torch.futures.Future[torch.Tensor]"] | None:
+        """A ``start_mean_(tensor, on_done=None) -> Future`` that averages ``tensor`` without a thread of
+        ours (issued straight from DDP's backward), or None where the algorithm needs dependent phases
+        (the DDP hook then runs :meth:`all_reduce_mean_` on its communication thread)."""
+        return None
 
     @abstractmethod
     def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable) -> None:

@@ -104,9 +104,10 @@ class CommHookState:
         self._buckets_this_step += 1
         if is_last:
             self.buckets_per_step, self._buckets_this_step = self._buckets_this_step, 0
-        direct = getattr(self.communicator, "start_mean_", None)
+        direct = self.communicator.starter_for(tensor)
         if direct is not None:
-            # Flat: no hand-off to our thread; every bucket goes this way, in DDP's order.
+            # Flat: no hand-off to our thread; every bucket of that size goes this way, in DDP's order.
+            # (auto may send other sizes through the thread: those talk over other groups.)
             trace.started = trace.submitted
 
             def finished() -> None:

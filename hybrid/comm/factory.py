@@ -1,9 +1,13 @@
-"""Pick a communicator by name, with the one documented fallback (sharded on uneven nodes)."""
+"""Pick a communicator by name (a fixed algorithm, or ``auto``), with the one documented fallback (sharded on
+uneven nodes)."""
 
 from __future__ import annotations
 
 import logging
 
+import torch
+
+from hybrid.comm.auto import AutoCommunicator, auto_group_kinds
 from hybrid.comm.base import DEFAULT_CHUNK_BYTES, Communicator
 from hybrid.comm.counters import PhaseCounters
 from hybrid.comm.flat import FlatCommunicator
@@ -12,32 +16,37 @@ from hybrid.comm.hierarchical import HierarchicalCommunicator
 from hybrid.comm.sharded import ShardedCommunicator
 from hybrid.topology import Topology
 
-__all__ = ["ALGORITHMS", "group_kinds_for", "make_communicator"]
+__all__ = ["ALGORITHMS", "CHOOSABLE", "group_kinds_for", "make_communicator"]
 
 log = logging.getLogger(__name__)
 
 ALGORITHMS: dict[str, type[Communicator]] = {
     cls.name: cls for cls in (FlatCommunicator, HierarchicalCommunicator, ShardedCommunicator)
 }
+# What make_communicator builds: a fixed algorithm, or auto (which picks among them per bucket size).
+CHOOSABLE = (*ALGORITHMS, AutoCommunicator.name)
 
 
 def _resolve(algorithm: str, topology: Topology) -> str:
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"comm algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    if algorithm not in CHOOSABLE:
+        raise ValueError(f"comm algorithm {algorithm!r} is not one of {', '.join(CHOOSABLE)}")
     return "hierarchical" if algorithm == "sharded" and not topology.is_uniform else algorithm
 
 
 def group_kinds_for(algorithm: str, topology: Topology) -> tuple[str, ...]:
     """The CommGroups kinds ``algorithm`` needs on ``topology`` (its fallback's, where it falls back)."""
-    return ALGORITHMS[_resolve(algorithm, topology)].group_kinds
+    runs_as = _resolve(algorithm, topology)
+    return auto_group_kinds(topology) if runs_as == AutoCommunicator.name else ALGORITHMS[runs_as].group_kinds
 
 
 def make_communicator(
     algorithm: str, groups: CommGroups, counters: PhaseCounters | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES, inter_compression: str = "none",
+    device: torch.device | str = "cpu",
 ) -> Communicator:
     """Build the named algorithm over ``groups``; ``inter_compression`` (none, bf16, fp16) applies to
-    the inter-node phase of hierarchical and sharded (flat refuses it).
+    the inter-node phase of hierarchical and sharded (flat refuses it). ``auto`` calibrates its cost
+    model here, with tensors on ``device`` (collective: every rank builds it at the same point).
 
     ``sharded`` on nodes of unequal size falls back to ``hierarchical`` (its
     shards would not line up across nodes); the reason is logged and the
@@ -50,4 +59,6 @@ def make_communicator(
             "sharded needs nodes of equal size; node sizes %s are uneven, so using hierarchical",
             list(topo.node_sizes),
         )
+    if runs_as == AutoCommunicator.name:
+        return AutoCommunicator(groups, counters, chunk_bytes, inter_compression, device=device)
     return ALGORITHMS[runs_as](groups, counters, chunk_bytes, inter_compression)

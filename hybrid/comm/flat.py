@@ -93,6 +93,9 @@ class FlatCommunicator(Communicator):
             if not averaged:
                 self._divide_(piece, divisor)
 
+    def starter_for(self, tensor: torch.Tensor) -> Callable[..., "torch.futures.Future[torch.Tensor]"]:
+        return self.start_mean_
+
     def start_mean_(self, tensor: torch.Tensor,
                     on_done: Callable[[], None] | None = None) -> "torch.futures.Future[torch.Tensor]":
         """Start averaging a contiguous ``tensor`` in place; the returned Future completes with it.

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybrid.comm.compression import INTER_COMPRESSIONS
-from hybrid.comm.factory import ALGORITHMS
+from hybrid.comm.factory import CHOOSABLE
 from hybrid.comm.groups import BACKENDS
 
 __all__ = ["COMM_CHOICES", "CommSettings"]
 
-# "ddp" is torch DDP's own all-reduce (no hook): the reference every algorithm is checked against.
-COMM_CHOICES = (*ALGORITHMS, "ddp")
+# "ddp" is torch DDP's own all-reduce (no hook): the reference every algorithm is checked against;
+# "auto" picks flat, hierarchical or sharded per bucket size from a cost model calibrated at start-up.
+COMM_CHOICES = (*CHOOSABLE, "ddp")
 
 
 @dataclass
@@ -47,9 +48,10 @@ class CommSettings:
         if self.inter_compression not in INTER_COMPRESSIONS:
             raise ValueError(f"comm.inter_compression={self.inter_compression!r} is not one of "
                              f"{', '.join(INTER_COMPRESSIONS)}")
-        if self.inter_compression != "none" and self.algorithm not in ("hierarchical", "sharded"):
+        if self.inter_compression != "none" and self.algorithm not in ("hierarchical", "sharded", "auto"):
             raise ValueError(f"comm.inter_compression={self.inter_compression!r} compresses the inter-node phase of "
-                             f"hierarchical and sharded; comm={self.algorithm} has none: use none")
+                             f"hierarchical and sharded (and auto's choices of them); comm={self.algorithm} has "
+                             "none: use none")
         if not self.bucket_mb > 0:
             raise ValueError(f"comm.bucket_mb={self.bucket_mb} must be > 0 (MiB per DDP bucket)")
         if not self.pipeline_chunk_mb > 0:

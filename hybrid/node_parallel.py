@@ -1,0 +1,265 @@
+"""DP-style nodes (``cluster.intra_mode=thread``): one process per node drives all of the node's devices.
+
+In the default ``process`` mode every device has a process of its own and
+gradients travel through the hierarchical communicator. In ``thread`` mode a
+node's single process does with its G = ``cluster.nproc_per_node`` devices what
+:class:`torch.nn.DataParallel` does, and only the node processes talk:
+
+1. G replicas of the model, one per device (cuda:0..G-1; on CPU, G copies in
+   memory), all equal to the leader (replica 0);
+2. each replica's forward, loss and backward in a thread of its own
+   (autograd on independent graphs is thread-safe; torch's ops release the GIL);
+3. the replicas' gradients summed onto the leader in a fixed order
+   (``intra_reduce``), the leader's gradients all-reduced among the node
+   processes in a few flat buckets (``inter_allreduce``), the sum divided by
+   N = nnodes x G;
+4. the optimizer steps the leader alone, whose parameters are then copied
+   into the other replicas (``intra_broadcast``).
+
+Replica r of node n reads exactly the batches global rank n*G + r reads in
+process mode, and the sums are grouped as the hierarchical communicator
+groups them (inside the node, then across nodes, then one division), so both
+modes train the same run up to floating-point rounding, and a checkpoint of
+one mode resumes in the other. Everything around the step (schedule,
+non-finite gradients, logging, checkpoints, replica checks, metrics.json) is
+the trainer's own loop, driving a :class:`NodeReplicas` instead of a DDP model.
+
+What it costs: the replicas' threads share one interpreter, so the Python
+work of every op is serialised by the GIL (small models suffer most); the
+gradient reduction starts once every replica's backward is done (DDP's
+buckets overlap it with backward); and every step copies the parameters into
+G-1 replicas, where process mode broadcasts the gradients and lets each
+process step its own optimizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybrid.comm import CommError, Communicator, InterCompressor, PhaseCounters
+from hybrid.comm.counters import allreduce_bytes, rooted_bytes
+from hybrid.comm.groups import resolve_backend
+from hybrid.config import TrainConfig
+from hybrid.data import BatchStream
+from hybrid.metrics import Metrics
+from hybrid.topology import Topology
+from hybrid.trainer import _loop, _loss, build_training, load_dataset, restore_training
+
+__all__ = ["NodeReplicas", "replica_topology", "train_node"]
+
+
+def replica_topology(processes: Topology, per_node: int) -> Topology:
+    """The N-rank mesh a thread-mode job trains as, seen from this node's leader replica.
+
+    ``processes`` has one rank per node; replica r of node n is global rank n * per_node + r.
+    """
+    nodes = tuple(tuple(range(n * per_node, (n + 1) * per_node)) for n in range(processes.nnodes))
+    return Topology(rank=processes.node * per_node, nodes=nodes)
+
+
+def train_node(cfg: TrainConfig, processes: Topology, device: torch.device, run_path: Path,
+               metrics: Metrics) -> dict[str, Any] | None:
+    """Train this node's replicas; the process of node 0 returns the final metrics (also in metrics.json)."""
+    if set(processes.node_sizes) != {1}:
+        raise ValueError(
+            f"cluster.intra_mode=thread runs one process per node, but the nodes have {list(processes.node_sizes)} "
+            "processes: start torchrun with --nproc-per-node 1"
+        )
+    per_node = cfg.cluster.nproc_per_node
+    if device.type == "cuda":
+        if per_node > torch.cuda.device_count():
+            raise ValueError(f"cluster.nproc_per_node={per_node} but this node has {torch.cuda.device_count()} "
+                             "GPU(s): one replica per GPU")
+        devices = [torch.device("cuda", i) for i in range(per_node)]
+    else:
+        devices = [device] * per_node
+    topology = replica_topology(processes, per_node)
+    dataset = load_dataset(cfg)
+    model, optimizer, scheduler = build_training(cfg, dataset, devices[0])
+    streams = [BatchStream(dataset, cfg.data.batch_size, rank, topology.world_size, cfg.trainer.seed,
+                           pin_memory=device.type == "cuda", num_workers=cfg.data.num_workers)
+               for rank in topology.node_ranks]
+    start_step = restore_training(cfg, run_path, processes.rank, topology.world_size, metrics, model, optimizer,
+                                  scheduler, streams)
+    # The gradients' own group (not the default one, which carries the loop's start-up and checksum exchanges).
+    group = dist.new_group(backend=resolve_backend(cfg.comm.inter_backend, "inter"),
+                           timeout=timedelta(seconds=cfg.comm.timeout_s))
+    replicas = NodeReplicas(model, devices, streams, topology, group, PhaseCounters(), process_rank=processes.rank,
+                            bucket_bytes=max(1, int(cfg.comm.bucket_mb * 2**20)),
+                            inter_compression=cfg.comm.inter_compression, timeout_s=cfg.comm.timeout_s,
+                            threads_per_replica=max(1, torch.get_num_threads() // per_node))
+    finished = False
+    try:
+        result = _loop(cfg, replicas, optimizer, scheduler, streams[0], replicas.counters, metrics, run_path,
+                       topology, devices[0], start_step, topology.rank)
+        finished = True
+        return result
+    finally:
+        replicas.close()
+        if finished:
+            # On failure the group's sockets close when this process exits, after its error is recorded
+            # (as the process-mode trainer does): peers that fail on them then come second.
+            dist.destroy_process_group(group)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # honest phase times: a local wait, not a collective
+
+
+def _flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
+    """One new contiguous buffer holding ``params``' gradients (zeros where a parameter has none)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+class NodeReplicas:
+    """This node's G replicas, driven as nn.DataParallel drives its devices; what the trainer loop steps.
+
+    ``module`` is the leader (replica 0, on the first device): the optimizer,
+    checkpoints and checksums see only it. Collective across the node
+    processes: every node calls :meth:`forward_backward` once per step.
+    """
+
+    def __init__(self, leader: nn.Module, devices: list[torch.device], streams: list[BatchStream],
+                 topology: Topology, group: Any, counters: PhaseCounters, *, process_rank: int, bucket_bytes: int,
+                 inter_compression: str, timeout_s: float, threads_per_replica: int) -> None:
+        if len(devices) != len(streams):
+            raise ValueError(f"{len(devices)} devices but {len(streams)} batch streams: one each per replica")
+        self.module = leader
+        self.devices, self.streams, self.topology, self.group = devices, streams, topology, group
+        self.counters, self.process_rank, self.timeout_s = counters, process_rank, timeout_s
+        # Copied from the leader as it stands (after any resume): every replica starts identical.
+        self.replicas = [leader] + [copy.deepcopy(leader).to(d) for d in devices[1:]]
+        self._params = [list(m.parameters()) for m in self.replicas]
+        self._param_bytes = sum(p.nbytes for p in self._params[0])
+        self._buckets = self._bucket(bucket_bytes)
+        self._compressor = InterCompressor(inter_compression)
+        # Intra-op threads per replica thread: the replicas share this process's cores.
+        self._pool = ThreadPoolExecutor(len(devices), thread_name_prefix="replica",
+                                        initializer=torch.set_num_threads, initargs=(threads_per_replica,))
+
+    def _bucket(self, bucket_bytes: int) -> list[list[int]]:
+        """Parameter indices in order, cut into buckets of at most ``bucket_bytes`` (at least one each)."""
+        buckets: list[list[int]] = [[]]
+        size = 0
+        for i, p in enumerate(self._params[0]):
+            if buckets[-1] and size + p.nbytes > bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(i)
+            size += p.nbytes
+        return buckets
+
+    def local_models(self) -> list[nn.Module]:
+        """Every replica of this node, in global rank order (for parameter checksums)."""
+        return list(self.replicas)
+
+    def forward_backward(self, accum: int) -> torch.Tensor:
+        """Every micro-step of one step on every replica, then the gradients averaged over all N into the
+        leader; returns the leader's loss (summed over the micro-steps, each divided by ``accum``)."""
+        # Read on this thread, in order, as DataParallel scatters on the calling thread: the threads only compute.
+        batches = [[next(stream) for _ in range(accum)] for stream in self.streams]
+        futures = [self._pool.submit(self._replica_step, r, batches[r], accum) for r in range(len(self.replicas))]
+        _, pending = wait(futures, timeout=self.timeout_s)
+        if pending:
+            slow = [r for r, f in enumerate(futures) if f in pending]
+            raise TimeoutError(f"replica(s) {slow} of node {self.topology.node} did not finish forward and backward "
+                               f"within comm.timeout_s={self.timeout_s:g}")
+        losses = [f.result() for f in futures]  # a replica's exception is raised here
+        self._sync_gradients()
+        return losses[0]
+
+    def _replica_step(self, r: int, batches: list[tuple[torch.Tensor, torch.Tensor]], accum: int) -> torch.Tensor:
+        model, device = self.replicas[r], self.devices[r]
+        with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+            total = torch.zeros((), device=device)
+            for x, y in batches:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                loss = _loss(model, x, y) / accum
+                loss.backward()
+                total += loss.detach()
+            return total
+
+    def _sync_gradients(self) -> None:
+        """intra_reduce bucket by bucket, each bucket's inter-node all-reduce starting as soon as it is summed."""
+        g, leader_device = len(self.replicas), self.devices[0]
+        in_flight = []
+        for k, bucket in enumerate(self._buckets):
+            start = time.perf_counter()
+            flat = _flat_grads([self._params[0][i] for i in bucket])
+            for r in range(1, g):  # fixed order: the same sum on every run
+                flat.add_(_flat_grads([self._params[r][i] for i in bucket]).to(leader_device, non_blocking=True))
+            _synchronize(leader_device)
+            # Bytes as the counters count them (a bandwidth-optimal reduce): what process mode's ranks report.
+            self.counters.add("intra_reduce", time.perf_counter() - start, rooted_bytes(flat.nbytes, g))
+            in_flight.append((bucket, flat, self._start_inter(flat, (k, flat.numel()))))
+        for bucket, flat, inter in in_flight:
+            self._finish_inter(flat, inter)
+            params = [self._params[0][i] for i in bucket]
+            for p, reduced in zip(params, torch.split(flat, [p.numel() for p in params])):
+                if p.grad is None:
+                    p.grad = reduced.view_as(p).clone()
+                else:
+                    p.grad.copy_(reduced.view_as(p))
+
+    def _start_inter(self, flat: torch.Tensor, key: Any) -> tuple[Any, torch.Tensor, bool] | None:
+        """Start the all-reduce (sum) of ``flat`` among the node processes: (work, tensor on the wire, divided)."""
+        if self.topology.nnodes == 1:
+            return None
+        if self._compressor.applies_to(flat):
+            # As the hierarchical communicator: divide first (fp16 stays in range), send 16 bits, keep the residual.
+            Communicator._divide_(flat, self.topology.world_size)
+            wire = self._compressor.compress_(flat, key)
+            return dist.all_reduce(wire, group=self.group, async_op=True), wire, True
+        return dist.all_reduce(flat, group=self.group, async_op=True), flat, False
+
+    def _finish_inter(self, flat: torch.Tensor, inter: tuple[Any, torch.Tensor, bool] | None) -> None:
+        divided = False
+        if inter is not None:
+            work, wire, divided = inter
+            start = time.perf_counter()
+            try:
+                work.wait()
+                _synchronize(self.devices[0])
+            except Exception as exc:
+                cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise CommError(
+                    f"hierarchical (intra_mode=thread) inter_allreduce failed on rank {self.process_rank} "
+                    f"(node {self.topology.node}) after {time.perf_counter() - start:.1f}s: {cause}"
+                ) from exc
+            self.counters.add("inter_allreduce", time.perf_counter() - start,
+                              allreduce_bytes(wire.nbytes, self.topology.nnodes))
+            if wire is not flat:
+                flat.copy_(wire)
+        if not divided:
+            # Sum first, divide once, with the communicator's rule (the same bits as process mode's division).
+            Communicator._divide_(flat, self.topology.world_size)
+
+    def end_step(self) -> None:
+        """After the optimizer step (or a skipped one): the other replicas take the leader's parameters
+        (DataParallel's re-replication) and drop their gradients."""
+        if len(self.replicas) == 1:
+            return
+        start = time.perf_counter()
+        with torch.no_grad():
+            for params in self._params[1:]:
+                for p, q in zip(params, self._params[0]):
+                    p.copy_(q, non_blocking=True)
+                    p.grad = None
+        for device in dict.fromkeys(self.devices):
+            _synchronize(device)
+        self.counters.add("intra_broadcast", time.perf_counter() - start,
+                          rooted_bytes(self._param_bytes, len(self.replicas)))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

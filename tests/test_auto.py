@@ -1,0 +1,125 @@
+"""comm=auto: which algorithms it weighs, how the cost model prices pipelined buckets, and what it picks.
+
+The collective parts (calibration agreed by every rank, results equal to torch's flat mean, DDP parity with
+buckets taking different algorithms) run in the 2x2 job of tests/test_comm_multiprocess.py.
+"""
+
+from datetime import timedelta
+
+import pytest
+import torch
+
+from hybrid.comm import AutoCommunicator, CommGroups, group_kinds_for
+from hybrid.comm.auto import auto_candidates
+from hybrid.costmodel import Level, Model, predict
+from hybrid.topology import Layout, Topology
+
+MiB = 2**20
+
+
+def _groups(topology):
+    """Groups as CommGroups.build names them; no process group is needed while nothing is sent."""
+    kinds = frozenset(group_kinds_for("auto", topology))
+    return CommGroups(topology, "gloo", "gloo", timedelta(seconds=1), world=None, intra=None, leaders=None,
+                      cross=object() if "cross" in kinds else None, kinds=kinds)
+
+
+@pytest.mark.parametrize(("nodes", "expected"), [
+    (((0, 1, 2, 3),), ("flat",)),                      # one node: no slow link to spare
+    (((0,), (1,), (2,)), ("flat",)),                   # one worker per node: every algorithm is the same ring
+    (((0, 1), (2, 3)), ("flat", "hierarchical", "sharded")),
+    (((0, 1, 2), (3,)), ("flat", "hierarchical")),     # uneven nodes: sharded's shards would not line up
+])
+def test_candidates_follow_the_layout_and_so_do_the_groups(nodes, expected):
+    topo = Topology(0, nodes)
+    assert auto_candidates(topo) == expected
+    kinds = {"flat": {"world"}, "hierarchical": {"intra", "leaders"}, "sharded": {"intra", "cross"}}
+    assert set(group_kinds_for("auto", topo)) == set().union(*(kinds[a] for a in expected))
+
+
+def test_pipelining_hides_the_cheaper_phases_behind_the_slowest():
+    model = Model(Level(0.0, 1e-9), Level(0.0, 1e-8))  # inter 10x slower per byte
+    layout, size = Layout.parse("2x4"), 64 * MiB
+    summed = predict(model, "hierarchical", layout, size)
+    piped = predict(model, "hierarchical", layout, size, chunk_bytes=4 * MiB)
+    # 16 pieces: one piece through all three phases, then 15 at the inter phase's pace.
+    piece = {k: v / 16 for k, v in piped.items() if k != "total"}
+    assert piped["total"] == pytest.approx(sum(piece.values()) + 15 * piece["inter_allreduce"])
+    assert piped["total"] < summed["total"]
+    assert piped["inter_allreduce"] == pytest.approx(summed["inter_allreduce"])  # same bytes in all
+    with pytest.raises(ValueError, match="chunk_bytes=0"):
+        predict(model, "hierarchical", layout, size, chunk_bytes=0)
+
+
+def _auto(topology, model, compression="none"):
+    return AutoCommunicator(_groups(topology), model=model, inter_compression=compression)
+
+
+def test_slow_network_picks_hierarchical_for_large_buckets_and_flat_where_intra_latency_dominates():
+    # Intra: 2 ms per step but fast bytes; inter: 10 us per step, 1 Gbit/s.
+    model = Model(Level(2e-3, 8 / 100e9), Level(10e-6, 8 / 1e9))
+    auto = _auto(Topology(0, ((0, 1, 2, 3), (4, 5, 6, 7))), model)
+    big, small = auto.decide(25 * MiB), auto.decide(4096)
+    assert big.chosen == "hierarchical"
+    assert small.chosen == "flat"
+    # The predictions it chose from are the cost model's, pipelined in the communicator's pieces.
+    layout = Layout.parse("2x4")
+    for name, seconds in big.predicted_s.items():
+        assert seconds == pytest.approx(predict(model, name, layout, 25 * MiB, chunk_bytes=auto.chunk_bytes)["total"])
+    # Sharded costs what hierarchical does over one NIC per node: equal predictions go to the simpler one.
+    assert big.predicted_s["sharded"] == big.predicted_s["hierarchical"]
+    assert auto.decide(25 * MiB) is big  # decided once per size
+    report = auto.report()
+    assert [d["bytes"] for d in report["decisions"]] == [4096, 25 * MiB]
+    assert report["model"]["inter"]["gbit_per_s"] == pytest.approx(1.0)
+
+
+def test_compressing_the_inter_hop_halves_its_price_for_the_two_level_algorithms_only():
+    model = Model(Level(0.0, 8 / 10e9), Level(0.0, 8 / 1e9))
+    topo = Topology(0, ((0, 1), (2, 3)))
+    plain, compressed = _auto(topo, model).decide(8 * MiB), _auto(topo, model, "bf16").decide(8 * MiB)
+    assert compressed.predicted_s["flat"] == plain.predicted_s["flat"]
+    assert compressed.predicted_s["hierarchical"] < 0.75 * plain.predicted_s["hierarchical"]
+    # bf16 tensors travel in 16 bits already: no saving to price in.
+    bf16 = _auto(topo, model, "bf16").decide(8 * MiB, torch.bfloat16)
+    assert bf16.predicted_s["hierarchical"] == plain.predicted_s["hierarchical"]
+
+
+def test_one_candidate_needs_no_calibration_and_runs_flat():
+    auto = AutoCommunicator(_groups(Topology(0, ((0, 1, 2, 3),))))  # would need groups to calibrate
+    assert auto.model is None
+    assert auto.decide(25 * MiB).chosen == "flat"
+    assert auto.report()["calibration_s"] == 0.0
+
+
+class _Recorder:
+    def __init__(self):
+        self.scalars_seen, self.texts, self.lines = [], [], []
+
+    def scalars(self, step, values):
+        self.scalars_seen.append((step, values))
+
+    def text(self, tag, text, step):
+        self.texts.append((tag, text, step))
+
+    def status(self, line):
+        self.lines.append(line)
+
+
+def test_each_new_decision_goes_to_tensorboard_once_with_its_predictions():
+    from hybrid.trainer import describe_auto_calibration, log_auto_decisions
+
+    model = Model(Level(2e-3, 8 / 100e9), Level(10e-6, 8 / 1e9))
+    auto = _auto(Topology(0, ((0, 1), (2, 3))), model)
+    assert "inter alpha 10 us, 1 Gbit/s" in describe_auto_calibration(auto)
+    auto.decide(4096), auto.decide(25 * MiB)
+    out, logged = _Recorder(), set()
+    log_auto_decisions(auto, out, 10, logged)
+    assert logged == {4096, 25 * MiB}
+    tags = {k for _, values in out.scalars_seen for k in values}
+    assert tags == {f"comm_auto/{b}B/predicted_{a}_ms" for b in (4096, 25 * MiB) for a in auto.candidates}
+    (tag, table, step), = out.texts
+    assert tag == "comm_auto/decisions" and step == 10
+    assert f"| {25 * MiB} | hierarchical |" in table and "| 4096 | flat |" in table
+    log_auto_decisions(auto, out, 20, logged)  # nothing new: nothing logged
+    assert len(out.texts) == 1
