@@ -94,6 +94,7 @@ def _one_run(settings: Any) -> dict[str, Any]:
         "comm_s_per_step": sum(result["comm_s"].values()) / max(1, result["steps_run"]),
         "param_bytes": result["param_bytes"],
         "final_loss": result["final_loss"],
+        "runs_as": result.get("runs_as"),  # what ran: the algorithm, or comm=auto's choices by bucket size
     }
 
 

@@ -23,7 +23,9 @@ level that is present.
 The two-level algorithms pipeline a large tensor in pieces of ``chunk_bytes``
 (the communicator's ``pipeline_chunk_mb``): pass it to :func:`predict` and the
 total becomes one piece through every phase plus (k - 1) pieces at the pace
-of the slowest phase, the usual pipeline bound; without it the phases add up. :func:`calibrate` fits alpha and beta per level from
+of the busier level, the usual pipeline bound (the reduce and the broadcast
+share the intra-node level, so they count together against the inter-node
+all-reduce); without it the phases add up. :func:`calibrate` fits alpha and beta per level from
 ``hybrid.bench`` JSON (least squares on per-phase times), so predictions for
 clusters nobody here has use figures measured on the testbed.
 
@@ -106,7 +108,8 @@ def predict(model: Model, algorithm: str, layout: Layout, nbytes: float,
         "intra_broadcast": _rooted(model.intra, piece, g),
     }
     phases = {name: t * pieces for name, t in per_piece.items()}
-    phases["total"] = sum(per_piece.values()) + (pieces - 1) * max(per_piece.values())
+    busiest = max(per_piece["intra_reduce"] + per_piece["intra_broadcast"], per_piece["inter_allreduce"])
+    phases["total"] = sum(per_piece.values()) + (pieces - 1) * busiest
     return phases
 
 

@@ -35,8 +35,8 @@ process step its own optimizer.
 from __future__ import annotations
 
 import copy
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -145,8 +145,7 @@ class NodeReplicas:
         self._buckets = self._bucket(bucket_bytes)
         self._compressor = InterCompressor(inter_compression)
         # Intra-op threads per replica thread: the replicas share this process's cores.
-        self._pool = ThreadPoolExecutor(len(devices), thread_name_prefix="replica",
-                                        initializer=torch.set_num_threads, initargs=(threads_per_replica,))
+        self._threads_per_replica = threads_per_replica
 
     def _bucket(self, bucket_bytes: int) -> list[list[int]]:
         """Parameter indices in order, cut into buckets of at most ``bucket_bytes`` (at least one each)."""
@@ -169,13 +168,31 @@ class NodeReplicas:
         leader; returns the leader's loss (summed over the micro-steps, each divided by ``accum``)."""
         # Read on this thread, in order, as DataParallel scatters on the calling thread: the threads only compute.
         batches = [[next(stream) for _ in range(accum)] for stream in self.streams]
-        futures = [self._pool.submit(self._replica_step, r, batches[r], accum) for r in range(len(self.replicas))]
-        _, pending = wait(futures, timeout=self.timeout_s)
-        if pending:
-            slow = [r for r, f in enumerate(futures) if f in pending]
+        losses: list[Any] = [None] * len(self.replicas)
+
+        def run(r: int) -> None:
+            torch.set_num_threads(self._threads_per_replica)
+            try:
+                losses[r] = self._replica_step(r, batches[r], accum)
+            except BaseException as exc:  # handed to the calling thread below
+                losses[r] = exc
+
+        # Daemon threads, one per replica and step (cheap next to a forward and backward): one stuck past the
+        # deadline cannot keep the process from exiting with the error, as a pool's joined workers would.
+        threads = [threading.Thread(target=run, args=(r,), name=f"replica-{r}", daemon=True)
+                   for r in range(len(self.replicas))]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + self.timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        slow = [r for r, thread in enumerate(threads) if thread.is_alive()]
+        if slow:
             raise TimeoutError(f"replica(s) {slow} of node {self.topology.node} did not finish forward and backward "
                                f"within comm.timeout_s={self.timeout_s:g}")
-        losses = [f.result() for f in futures]  # a replica's exception is raised here
+        for loss in losses:
+            if isinstance(loss, BaseException):
+                raise loss
         self._sync_gradients()
         return losses[0]
 
@@ -262,4 +279,4 @@ class NodeReplicas:
                           rooted_bytes(self._param_bytes, len(self.replicas)))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: the replica threads end with each step (or, stuck, with the process)."""

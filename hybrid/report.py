@@ -119,12 +119,14 @@ def predict_job(model: Model, job: Job) -> float | None:
 
 
 def auto_table(jobs: list[Job]) -> tuple[list[str], list[float]]:
-    """Markdown rows: each finished auto job against the fastest fixed algorithm (median step time) on its
-    shape and model; and the ratios auto / best."""
+    """Markdown rows: each finished auto job against the fastest fixed algorithm on its shape and model, by
+    median step time (the first step excluded) and by communication time per step; and the step-time ratios."""
     lines = ["## comm=auto against the fastest fixed algorithm", "",
-             "Median step time (the first step excluded); auto / best > 1 means auto was slower.", "",
+             "auto / best > 1 means auto was slower. Step: median step time (the first step excluded); "
+             "comm: communication seconds per step (what auto's choice changes).", "",
              "| model | shape | auto choices (bucket bytes: algorithm) | auto step ms | best fixed | best step ms "
-             "| auto / best |", "|" + " --- |" * 7]
+             "| auto / best | auto comm ms | best fixed by comm | best comm ms | auto / best comm |",
+             "|" + " --- |" * 11]
     ratios = []
     for job in [j for j in jobs if j.ok and j.comm == "auto"]:
         fixed = [f for f in jobs if f.ok and f.comm in FIXED and f.layout == job.layout and f.model == job.model]
@@ -133,11 +135,14 @@ def auto_table(jobs: list[Job]) -> tuple[list[str], list[float]]:
         best = min(fixed, key=lambda f: f.metrics["median_step_s"])
         ratio = job.metrics["median_step_s"] / best.metrics["median_step_s"]
         ratios.append(ratio)
+        by_comm = min(fixed, key=lambda f: f.comm_per_step_s)
+        comm_ratio = job.comm_per_step_s / by_comm.comm_per_step_s if by_comm.comm_per_step_s > 0 else None
         lines.append(f"| {job.model} | {job.layout} | {job.metrics.get('runs_as', '-')} | "
                      f"{_fmt(job.metrics['median_step_s'])} | {best.comm} | {_fmt(best.metrics['median_step_s'])} | "
-                     f"{ratio:.3f} |")
+                     f"{ratio:.3f} | {_fmt(job.comm_per_step_s)} | {by_comm.comm} | {_fmt(by_comm.comm_per_step_s)} | "
+                     f"{_fmt(comm_ratio, 1, 3)} |")
     if ratios:
-        lines += ["", f"auto / best: worst {max(ratios):.3f}, median {statistics.median(ratios):.3f} over "
+        lines += ["", f"auto / best step time: worst {max(ratios):.3f}, median {statistics.median(ratios):.3f} over "
                       f"{len(ratios)} shape(s) x model(s).", ""]
     return (lines if ratios else []), ratios
 

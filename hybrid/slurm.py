@@ -13,7 +13,9 @@ rank says which task hosts the c10d store (node 0), on the job's first host,
 at a port derived from the job id. The workers' ranks come from the c10d
 rendezvous, as under torchrun, so global rank 0 need not run on node 0.
 
-On Slurm the agents use torch's defaults, as torchrun does. submitit's
+On Slurm the agents use torch's defaults, as torchrun does, except that the
+workers share the task's CPU allocation (``OMP_NUM_THREADS`` = allocated
+cores / workers unless set). submitit's
 LocalExecutor has a single node, so ``slurm_local`` runs each simulated node
 as one local task, on loopback with the setup of :mod:`hybrid.launch`
 (store and gloo on 127.0.0.1 only, cores shared among all workers).
@@ -92,6 +94,11 @@ class SlurmNode:
             # Inherited by this node's workers; an explicit GLOO_SOCKET_IFNAME wins, as in launch_local.
             os.environ.update(local_agent_env(self.nnodes * nproc))
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        else:
+            # The workers share the cores Slurm gave this task (cpus_per_task), not every core of the node
+            # (os.cpu_count): torchrun's agent leaves OMP_NUM_THREADS to the user as well; an explicit one wins.
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
         return run_node(
             entrypoint, tuple(args), nnodes=self.nnodes, nproc_per_node=nproc, node_rank=self.rank,
             run_id=f"hybrid-{self.job_id}", rdzv_endpoint=self.rdzv_endpoint, timeout_s=timeout_s,

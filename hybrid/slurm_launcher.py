@@ -48,16 +48,39 @@ def rank0_return(returns: Sequence[JobReturn]) -> JobReturn:
     return returns[0]
 
 
+def _check_job(job_cfg: Any, params: dict[str, Any], overrides: Sequence[str]) -> None:
+    """The job's settings validate, and its Slurm tasks are one per node of ``cluster.nnodes``."""
+    from omegaconf import open_dict
+
+    from hybrid.config import validate
+
+    app = job_cfg.copy()
+    with open_dict(app):
+        del app["hydra"]
+    job = " ".join(filter_overrides(overrides)) or "(no overrides)"
+    try:
+        settings = validate(OmegaConf.to_object(app))  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"sweep job {job}: {exc}") from None
+    tasks = int(params.get("nodes") or 1) * int(params.get("tasks_per_node") or 1)
+    if tasks != settings.cluster.nnodes:
+        raise ValueError(f"sweep job {job}: hydra.launcher asks for {tasks} task(s) (nodes x tasks_per_node) but "
+                         f"cluster.nnodes={settings.cluster.nnodes}: one task per node")
+
+
 class PerJobResources(BaseSubmititLauncher):
     """The plugin's launcher, resources per sweep job; concrete in hydra_plugins.hybrid_slurm_launcher."""
 
     def _job_params(self, overrides: Sequence[str]) -> dict[str, Any]:
-        """``hydra.launcher`` as resolved in this job's config (the sweep's base config would not see its overrides)."""
+        """``hydra.launcher`` as resolved in this job's config (the sweep's base config would not see its
+        overrides), after checking the job's settings: bad input fails here, in one line, before anything is
+        queued, not in every task once Slurm has started it."""
         assert self.config is not None and self.hydra_context is not None
         job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
         params = OmegaConf.to_container(job_cfg.hydra.launcher, resolve=True)
         assert isinstance(params, dict)
         params.pop("_target_", None)
+        _check_job(job_cfg, params, overrides)
         return params
 
     def _executor(self, params: dict[str, Any]) -> Any:

@@ -305,7 +305,8 @@ def describe_auto_calibration(comm: AutoCommunicator) -> str:
         return f"alpha {lv.alpha_s * 1e6:.0f} us, {rate}"
 
     return (f"comm=auto calibrated in {comm.calibration_s:.2f} s: intra {level(intra)}; inter {level(inter)}; "
-            f"choosing among {', '.join(comm.candidates)} per bucket size")
+            f"{comm.model.nics_per_node} NIC(s) per node for sharded; choosing among {', '.join(comm.candidates)} "
+            "per bucket size")
 
 
 def log_auto_decisions(comm: AutoCommunicator, metrics: Metrics, step: int, logged: set[int]) -> None:

@@ -46,6 +46,11 @@ def test_pipelining_hides_the_cheaper_phases_behind_the_slowest():
     piece = {k: v / 16 for k, v in piped.items() if k != "total"}
     assert piped["total"] == pytest.approx(sum(piece.values()) + 15 * piece["inter_allreduce"])
     assert piped["total"] < summed["total"]
+    # Where the node is the bottleneck, its reduce and broadcast share the intra level: they pace together.
+    slow_intra = predict(Model(Level(0.0, 1e-8), Level(0.0, 1e-9)), "hierarchical", layout, size, chunk_bytes=4 * MiB)
+    piece = {k: v / 16 for k, v in slow_intra.items() if k != "total"}
+    assert slow_intra["total"] == pytest.approx(
+        sum(piece.values()) + 15 * (piece["intra_reduce"] + piece["intra_broadcast"]))
     assert piped["inter_allreduce"] == pytest.approx(summed["inter_allreduce"])  # same bytes in all
     with pytest.raises(ValueError, match="chunk_bytes=0"):
         predict(model, "hierarchical", layout, size, chunk_bytes=0)

@@ -96,6 +96,21 @@ def test_task_count_other_than_nnodes_is_one_line_error(monkeypatch):
         hybrid.train.check_testbed(cfg)
 
 
+@pytest.mark.parametrize(("args", "needle"), [
+    (["comm=ring"], "sweep job comm=ring: comm='ring' is not one of"),
+    (["hydra.launcher.tasks_per_node=3"],
+     "hydra.launcher asks for 3 task(s) (nodes x tasks_per_node) but cluster.nnodes=2: one task per node"),
+])
+def test_bad_sweep_job_is_refused_before_anything_is_queued(tmp_path, args, needle):
+    sweep = tmp_path / "sweep"
+    out = subprocess.run([sys.executable, "-m", "hybrid.train", "-m", "hydra/launcher=slurm_local", "cluster=2x1",
+                          *TINY, *args, f"hydra.sweep.dir={sweep}"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    assert needle in out.stderr, out.stderr[-2000:]
+    assert not (sweep / ".submitit").exists() and not (sweep / "0").exists()  # nothing submitted, nothing run
+
+
 def test_sweep_of_two_layouts_one_elastic_agent_per_node_as_local_submitit_tasks(tmp_path):
     """2 simulated nodes x 1 worker as 2 local tasks, and a 1x1 job beside it: each job gets its own task count."""
     marker = uuid.uuid4().hex

@@ -367,7 +367,7 @@ def case_auto(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any
     failures: list[str] = []
     comm = make_communicator("auto", groups)
     report = comm.report()
-    if not same_on_all_ranks(json.dumps(report["model"], sort_keys=True)):
+    if not same_on_all_ranks(json.dumps([report["model"], report["nics_per_node"]], sort_keys=True)):
         failures.append(f"rank {topo.rank}: calibrated model differs between ranks: {report['model']}")
     # Small buckets pay the intra level's 1 ms per step twice; above ~8 KB flat's 1.5x the bytes on the
     # slow link cost more (2x2; on uneven 3,1 the threshold differs but both choices still occur).

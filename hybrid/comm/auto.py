@@ -13,7 +13,12 @@ measurements of this job's own links rather than from a table:
    rank (one MAX all-reduce), and alpha (latency per step) and beta (seconds
    per byte) are fitted per level with :func:`hybrid.costmodel.fit_level`,
    the same least squares that calibrates the model from benchmark runs.
-   Every rank thus holds the very same model.
+   Every rank thus holds the very same model. On equal nodes the ranks also
+   run sharded's inter-node phase once (g concurrent all-reduces of 1/g of
+   the largest size, one per local rank): how much faster that is than the
+   leaders' single all-reduce, rounded to a whole number, is the number of
+   NICs the node's traffic spreads over (``nics_per_node``); rounding keeps
+   measurement noise from making sharded look faster over one NIC.
 2. The first time a tensor of a given size (and dtype) is averaged, the cost
    model predicts each candidate algorithm (pipelined in this communicator's
    pieces) and the fastest is kept for that size: a :class:`Decision`.
@@ -27,10 +32,15 @@ flat there and measures nothing. With ``inter_compression``, hierarchical
 and sharded send 16 bits per value across nodes, and the model prices their
 inter-node phase accordingly; flat stays uncompressed.
 
-The cost model treats the node's NICs as one (``nics_per_node=1``): sharded's
-concurrent cross-node all-reduces then share a link and cost what
-hierarchical's one does, so sharded is chosen only with a model that says the
-node has more NICs (pass ``model=``).
+Over one NIC per node sharded's concurrent cross-node all-reduces share the
+link and cost what hierarchical's one does: equal predictions, so
+hierarchical is chosen; sharded wins where the node's traffic spreads over
+several NICs.
+
+On NCCL every bucket goes through the DDP hook's communication thread (one
+order of collectives across all groups on every rank, as NCCL needs for
+communicators used side by side); on gloo, buckets auto sends flat keep
+flat's direct path from backward, since gloo groups never wait on each other.
 """
 
 from __future__ import annotations
@@ -96,15 +106,21 @@ class Decision:
                 "predicted_s": dict(self.predicted_s)}
 
 
-def _timed(run: Callable[[], Any], repeats: int) -> float:
-    """Median seconds of ``run()`` (which waits for its collective) over ``repeats``, after one warm-up."""
-    run()
+def _timed(start_collective: Callable[[], Any], device: torch.device, repeats: int,
+           before: Callable[[], Any] | None = None) -> float:
+    """Median seconds of a collective (``start_collective()`` returns its Work) over ``repeats``, after one
+    warm-up; each time waits for the Work and, on CUDA, for the device (NCCL's wait only orders streams).
+    ``before`` runs ahead of each try, untimed."""
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
+        if before is not None:
+            before()
         start = time.perf_counter()
-        run()
+        start_collective().wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times[1:])
 
 
 def measure_levels(groups: CommGroups, device: torch.device | str = "cpu",
@@ -112,16 +128,18 @@ def measure_levels(groups: CommGroups, device: torch.device | str = "cpu",
     """Fit alpha and beta of the intra-node and inter-node level from timed collectives.
 
     Collective over every rank (it talks over ``groups.world``, ``intra`` and
-    ``leaders``); every rank returns the same model. Intra: a reduce to the
-    leader over the node's g ranks, (g-1) steps moving (g-1)/g of the bytes.
-    Inter: an all-reduce among the n leaders, 2(n-1) steps moving 2(n-1)/n of
-    the bytes. These are the formulas :mod:`hybrid.costmodel` predicts with.
+    ``leaders``, and ``cross`` where built); every rank returns the same
+    model. Intra: a reduce to the leader over the node's g ranks, (g-1) steps
+    moving (g-1)/g of the bytes. Inter: an all-reduce among the n leaders,
+    2(n-1) steps moving 2(n-1)/n of the bytes. These are the formulas
+    :mod:`hybrid.costmodel` predicts with. NICs: see the module docstring.
     """
     topo = groups.topology
     if groups.world is None or groups.intra is None or (groups.leaders is None and topo.is_leader):
         raise ValueError("measure_levels needs the world, intra and leaders groups")
     if len(sizes) < 2:
         raise ValueError(f"calibration needs at least two sizes, got {sizes}")
+    device = torch.device(device)
     buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=device)
     local, nnodes = topo.local_world_size, topo.nnodes
     intra = [0.0] * len(sizes)
@@ -129,19 +147,29 @@ def measure_levels(groups: CommGroups, device: torch.device | str = "cpu",
     for i, size in enumerate(sizes):
         piece = buf[: size // 4]
         if local > 1:
-            intra[i] = _timed(lambda: dist.reduce(piece, dst=topo.leader, group=groups.intra), repeats)
+            intra[i] = _timed(lambda: dist.reduce(piece, dst=topo.leader, group=groups.intra, async_op=True),
+                              device, repeats)
         if topo.is_leader and nnodes > 1:
-            inter[i] = _timed(lambda: dist.all_reduce(piece, group=groups.leaders), repeats)
-        if buf.is_cuda:
-            torch.cuda.synchronize(device)
+            inter[i] = _timed(lambda: dist.all_reduce(piece, group=groups.leaders, async_op=True), device, repeats)
+    # Sharded's inter phase at the largest size: every local rank's shard across nodes at once (each
+    # repetition starts together, after a barrier, so the g all-reduces really share the node's links).
+    spread = 0.0
+    if groups.cross is not None and nnodes > 1 and local > 1:
+        shard = torch.tensor_split(buf, local)[topo.local_rank]
+
+        spread = _timed(lambda: dist.all_reduce(shard, group=groups.cross, async_op=True), device, repeats,
+                        before=lambda: dist.barrier(group=groups.world))
     # The slowest rank's time per size and level, on every rank: one model everywhere.
-    times = torch.tensor(intra + inter, dtype=torch.float64)
+    times = torch.tensor(intra + inter + [spread], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=groups.world)
-    times_list = times.tolist()
+    times_list = times.cpu().tolist()
     g, n = max(topo.node_sizes), nnodes
     intra_points = [(g - 1, (g - 1) / g * s, t) for s, t in zip(sizes, times_list[: len(sizes)])]
-    inter_points = [(2 * (n - 1), 2 * (n - 1) / n * s, t) for s, t in zip(sizes, times_list[len(sizes):])]
-    return Model(fit_level(intra_points), fit_level(inter_points))
+    inter_points = [(2 * (n - 1), 2 * (n - 1) / n * s, t) for s, t in zip(sizes, times_list[len(sizes):-1])]
+    spread_s, leaders_s = times_list[-1], times_list[len(sizes) + sizes.index(max(sizes))]
+    # How many links sharded's g all-reduces spread over, in whole NICs (at least 1, at most g).
+    nics = min(g, max(1, round(leaders_s / spread_s))) if spread_s > 0 else 1
+    return Model(fit_level(intra_points), fit_level(inter_points), nics)
 
 
 class AutoCommunicator(Communicator):
@@ -215,6 +243,8 @@ class AutoCommunicator(Communicator):
         self.member_for(flat)._sum_(flat, divisor, key)
 
     def starter_for(self, tensor: torch.Tensor) -> Callable[..., "torch.futures.Future[torch.Tensor]"] | None:
+        if self.groups.intra_backend != "gloo" or self.groups.inter_backend != "gloo":
+            return None  # NCCL: every bucket through the comm thread, one order across all groups
         return self.member_for(tensor).starter_for(tensor)
 
     def report(self) -> dict[str, Any]:
@@ -229,4 +259,5 @@ class AutoCommunicator(Communicator):
         with self._lock:
             decisions = sorted(self.decisions.values(), key=lambda d: d.nbytes)
         return {"candidates": list(self.candidates), "calibration_s": self.calibration_s, "model": model,
+                "nics_per_node": None if self.model is None else self.model.nics_per_node,
                 "decisions": [d.as_dict() for d in decisions]}
