@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -49,7 +50,8 @@ def rank0_return(returns: Sequence[JobReturn]) -> JobReturn:
 
 
 def _check_job(job_cfg: Any, params: dict[str, Any], overrides: Sequence[str]) -> None:
-    """The job's settings validate, and its Slurm tasks are one per node of ``cluster.nnodes``."""
+    """The job's settings validate, and its Slurm tasks are one per node of ``cluster.nnodes``; if not, one
+    line on stderr and exit 2 (as the single-run precheck does), before any job of the sweep is queued."""
     from omegaconf import open_dict
 
     from hybrid.config import validate
@@ -60,12 +62,14 @@ def _check_job(job_cfg: Any, params: dict[str, Any], overrides: Sequence[str]) -
     job = " ".join(filter_overrides(overrides)) or "(no overrides)"
     try:
         settings = validate(OmegaConf.to_object(app))  # type: ignore[arg-type]
+        tasks = int(params.get("nodes") or 1) * int(params.get("tasks_per_node") or 1)
+        if tasks != settings.cluster.nnodes:
+            raise ValueError(f"hydra.launcher asks for {tasks} task(s) (nodes x tasks_per_node) but "
+                             f"cluster.nnodes={settings.cluster.nnodes}: one task per node")
     except ValueError as exc:
-        raise ValueError(f"sweep job {job}: {exc}") from None
-    tasks = int(params.get("nodes") or 1) * int(params.get("tasks_per_node") or 1)
-    if tasks != settings.cluster.nnodes:
-        raise ValueError(f"sweep job {job}: hydra.launcher asks for {tasks} task(s) (nodes x tasks_per_node) but "
-                         f"cluster.nnodes={settings.cluster.nnodes}: one task per node")
+        # SystemExit passes Hydra's error report (which would print a traceback for an exception).
+        print(f"error: sweep job {job}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 class PerJobResources(BaseSubmititLauncher):

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -138,6 +139,8 @@ def test_a_training_run_interrupted_mid_way_leaves_no_namespace(sig, tmp_path):
         for line in run.stdout:  # training has started once a status line appears
             if line.startswith("step "):
                 break
+        # Keep draining: a full pipe would block the app's own last words and hold it past the wait below.
+        threading.Thread(target=run.stdout.read, daemon=True).start()
         assert len(ours()) == 2
         run.send_signal(sig)
         run.wait(timeout=60)
