@@ -134,7 +134,11 @@ def test_a_training_run_interrupted_mid_way_leaves_no_namespace(sig, tmp_path):
     run = subprocess.Popen(
         [sys.executable, "-m", "hybrid.train", "cluster.testbed.enabled=true", "cluster.testbed.link_mbit=20",
          "cluster.nproc_per_node=1", "trainer.max_steps=100000", "trainer.log_every=1", "model.width=64"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # As from a terminal: SIGINT at its default, so Python turns it into KeyboardInterrupt. A child
+        # inherits an ignored SIGINT from its parent (and Python then installs no handler), which would
+        # test this process's signal state instead of the app.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in run.stdout:  # training has started once a status line appears
             if line.startswith("step "):
