@@ -57,10 +57,8 @@ import torch.distributed as dist
 
 from hybrid.comm.base import DEFAULT_CHUNK_BYTES, Communicator
 from hybrid.comm.counters import PhaseCounters
-from hybrid.comm.flat import FlatCommunicator
+from hybrid.comm.factory import ALGORITHMS, AUTO
 from hybrid.comm.groups import CommGroups
-from hybrid.comm.hierarchical import HierarchicalCommunicator
-from hybrid.comm.sharded import ShardedCommunicator
 from hybrid.costmodel import Level, Model, fit_level, predict
 from hybrid.topology import Layout, Topology
 
@@ -71,11 +69,6 @@ __all__ = ["CALIBRATION_SIZES", "AutoCommunicator", "Decision", "auto_candidates
 # phase of the two-level algorithms moves per collective.
 CALIBRATION_SIZES = (16 * 2**10, 512 * 2**10, 4 * 2**20)
 CALIBRATION_REPEATS = 3
-
-_MEMBERS: dict[str, type[Communicator]] = {
-    cls.name: cls for cls in (FlatCommunicator, HierarchicalCommunicator, ShardedCommunicator)
-}
-
 
 def auto_candidates(topology: Topology) -> tuple[str, ...]:
     """The algorithms worth comparing on ``topology``, simplest first."""
@@ -88,7 +81,7 @@ def auto_group_kinds(topology: Topology) -> tuple[str, ...]:
     """The CommGroups kinds ``auto`` talks over on ``topology``: its candidates' together."""
     kinds: list[str] = []
     for name in auto_candidates(topology):
-        kinds += [k for k in _MEMBERS[name].group_kinds if k not in kinds]
+        kinds += [k for k in ALGORITHMS[name].group_kinds if k not in kinds]
     return tuple(kinds)
 
 
@@ -180,7 +173,7 @@ class AutoCommunicator(Communicator):
     one fitted from ``hybrid.bench`` runs; it must be the same on every rank).
     """
 
-    name = "auto"
+    name = AUTO
     group_kinds = ()  # depends on the topology: auto_group_kinds()
 
     def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None,
@@ -196,7 +189,7 @@ class AutoCommunicator(Communicator):
         self.inter_compression = inter_compression
         # Every member counts into this communicator's counters, under its own phase names.
         self.members: dict[str, Communicator] = {
-            name: _MEMBERS[name](groups, self.counters, chunk_bytes,
+            name: ALGORITHMS[name](groups, self.counters, chunk_bytes,
                                  "none" if name == "flat" else inter_compression)
             for name in self.candidates
         }

@@ -7,7 +7,6 @@ import logging
 
 import torch
 
-from hybrid.comm.auto import AutoCommunicator, auto_group_kinds
 from hybrid.comm.base import DEFAULT_CHUNK_BYTES, Communicator
 from hybrid.comm.counters import PhaseCounters
 from hybrid.comm.flat import FlatCommunicator
@@ -23,8 +22,10 @@ log = logging.getLogger(__name__)
 ALGORITHMS: dict[str, type[Communicator]] = {
     cls.name: cls for cls in (FlatCommunicator, HierarchicalCommunicator, ShardedCommunicator)
 }
-# What make_communicator builds: a fixed algorithm, or auto (which picks among them per bucket size).
-CHOOSABLE = (*ALGORITHMS, AutoCommunicator.name)
+# What make_communicator builds: a fixed algorithm, or auto (hybrid.comm.auto: it picks among
+# ALGORITHMS per bucket size, so it imports them from here and is imported where it is built).
+AUTO = "auto"
+CHOOSABLE = (*ALGORITHMS, AUTO)
 
 
 def _resolve(algorithm: str, topology: Topology) -> str:
@@ -36,7 +37,11 @@ def _resolve(algorithm: str, topology: Topology) -> str:
 def group_kinds_for(algorithm: str, topology: Topology) -> tuple[str, ...]:
     """The CommGroups kinds ``algorithm`` needs on ``topology`` (its fallback's, where it falls back)."""
     runs_as = _resolve(algorithm, topology)
-    return auto_group_kinds(topology) if runs_as == AutoCommunicator.name else ALGORITHMS[runs_as].group_kinds
+    if runs_as == AUTO:
+        from hybrid.comm.auto import auto_group_kinds
+
+        return auto_group_kinds(topology)
+    return ALGORITHMS[runs_as].group_kinds
 
 
 def make_communicator(
@@ -59,6 +64,8 @@ def make_communicator(
             "sharded needs nodes of equal size; node sizes %s are uneven, so using hierarchical",
             list(topo.node_sizes),
         )
-    if runs_as == AutoCommunicator.name:
+    if runs_as == AUTO:
+        from hybrid.comm.auto import AutoCommunicator
+
         return AutoCommunicator(groups, counters, chunk_bytes, inter_compression, device=device)
     return ALGORITHMS[runs_as](groups, counters, chunk_bytes, inter_compression)
