@@ -5,6 +5,9 @@ layout, finds the fixed algorithm with the most samples/s (median over the round
 samples/s over that algorithm's: per round (the runs of one round ran within minutes of each other, so a
 drift of the machine between rounds cancels) and the median over the rounds. A ratio below 1 means auto
 was slower; the issue's bar is 0.95 (auto never more than 5% slower).
+
+``--pool A.json B.json``: the files are rounds of one experiment (same model, steps and overrides), run one
+after another; their rounds are put together and judged as one run of all of them.
 """
 
 from __future__ import annotations
@@ -32,15 +35,32 @@ def rows(report: dict) -> list[tuple[str, str, str, float, list[float]]]:
     return out
 
 
-def main(paths: list[str]) -> int:
+def pooled(paths: list[str]) -> dict:
+    """One report holding every round of ``paths`` (each layout's runs in file order)."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    same = {(r["param_bytes"], r["options"]["steps"], tuple(r["options"]["overrides"])) for r in reports}
+    if len(same) != 1:
+        raise SystemExit(f"--pool needs rounds of one experiment (model bytes, steps, overrides); got {sorted(same)}")
+    out = {**reports[0], "runs": {}, "options": {**reports[0]["options"], "layouts": [], "rounds": 0}}
+    for r in reports:
+        out["options"]["rounds"] += r["options"]["rounds"]
+        out["options"]["layouts"] += [x for x in r["options"]["layouts"] if x not in out["options"]["layouts"]]
+        for key, runs in r["runs"].items():
+            out["runs"].setdefault(key, []).extend(runs)
+    return out
+
+
+def main(args: list[str]) -> int:
+    pool = bool(args) and args[0] == "--pool"
+    paths = args[1:] if pool else args
     if not paths:
         print(__doc__.strip().splitlines()[0], file=sys.stderr)
         return 2
     worst = []
-    for path in paths:
-        report = json.loads(Path(path).read_text())
+    for path, report in ([(" + ".join(paths), pooled(paths))] if pool
+                         else [(p, json.loads(Path(p).read_text())) for p in paths]):
         print(f"{path}: {report['param_bytes'] / 2**20:.1f} MiB of gradients, "
-              f"{report['options']['steps']} steps x {report['options']['rounds']} rounds, "
+              f"{report['options']['steps']} steps x {'up to ' if pool else ''}{report['options']['rounds']} rounds, "
               f"overrides {' '.join(report['options']['overrides'])}")
         print(f"{'layout':>7} {'best fixed':>13} {'auto / best':>12} {'per round':>24}  auto ran")
         for layout, best, choices, ratio, per_round in rows(report):

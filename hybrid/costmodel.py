@@ -20,6 +20,13 @@ n nodes of g workers (N = n g ranks):
 On one level (n = 1 or g = 1) the formulas fall back to a single ring on the
 level that is present.
 
+These derivations price all three algorithms from two measured levels. Where
+an algorithm's own collectives were timed (``comm=auto`` does, at start-up),
+:class:`Model` carries their levels too (``flat``, ``sharded_intra``,
+``sharded_inter``) and they price that algorithm instead: a library's
+all-to-all, or g all-reduces sharing a link, need not cost what a rooted
+reduce or a single all-reduce suggests.
+
 The two-level algorithms pipeline a large tensor in pieces of ``chunk_bytes``
 (the communicator's ``pipeline_chunk_mb``): pass it to :func:`predict` and the
 total becomes one piece through every phase plus (k - 1) pieces at the pace
@@ -64,9 +71,25 @@ class Level:
 
 @dataclass(frozen=True)
 class Model:
+    """Per-level costs, and optionally levels fitted from an algorithm's own collectives.
+
+    ``intra`` and ``inter`` price every algorithm by default (the formulas in
+    the module docstring). Where ``flat``, ``sharded_intra`` or
+    ``sharded_inter`` are given (``comm=auto`` times them at start-up), they
+    price that algorithm's phase instead of the derivation: what the library
+    really does for an all-to-all, or for g all-reduces sharing the node's
+    links, need not be what a rooted reduce or one all-reduce suggests.
+    ``flat`` is per step of a ring over every rank; ``sharded_inter`` per
+    step of one cross group's all-reduce while all g run at once (it then
+    replaces ``nics_per_node``).
+    """
+
     intra: Level
     inter: Level
     nics_per_node: int = 1
+    flat: Level | None = None
+    sharded_intra: Level | None = None
+    sharded_inter: Level | None = None
 
 
 def _ring_allreduce(level: Level, nbytes: float, p: int) -> float:
@@ -92,20 +115,27 @@ def predict(model: Model, algorithm: str, layout: Layout, nbytes: float,
         raise ValueError(f"chunk_bytes={chunk_bytes} must be > 0")
     n, g = layout.nnodes, layout.node_sizes[0]
     if algorithm == "flat":
-        level = model.inter if n > 1 else model.intra
+        level = model.flat or (model.inter if n > 1 else model.intra)
         phases = {"flat_allreduce": _ring_allreduce(level, nbytes, n * g)}
         phases["total"] = phases["flat_allreduce"]
         return phases
     if algorithm not in ("hierarchical", "sharded"):
         raise ValueError(f"algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-    parallel = min(g, model.nics_per_node) if algorithm == "sharded" else 1
-    inter = Level(model.inter.alpha_s, model.inter.beta_s_per_byte / parallel)
     pieces = max(1, math.ceil(nbytes / chunk_bytes)) if chunk_bytes else 1
     piece = nbytes / pieces
+    if algorithm == "hierarchical":
+        intra, inter_s = model.intra, _ring_allreduce(model.inter, piece, n)
+    else:
+        intra = model.sharded_intra or model.intra
+        if model.sharded_inter is not None:  # measured: one shard per cross group, all g at once
+            inter_s = _ring_allreduce(model.sharded_inter, piece / g, n)
+        else:
+            shared = Level(model.inter.alpha_s, model.inter.beta_s_per_byte / min(g, model.nics_per_node))
+            inter_s = _ring_allreduce(shared, piece, n)
     per_piece = {
-        "intra_reduce": _rooted(model.intra, piece, g),
-        "inter_allreduce": _ring_allreduce(inter, piece, n),
-        "intra_broadcast": _rooted(model.intra, piece, g),
+        "intra_reduce": _rooted(intra, piece, g),
+        "inter_allreduce": inter_s,
+        "intra_broadcast": _rooted(intra, piece, g),
     }
     phases = {name: t * pieces for name, t in per_piece.items()}
     busiest = max(per_piece["intra_reduce"] + per_piece["intra_broadcast"], per_piece["inter_allreduce"])

@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid.comm import CommError, Communicator, InterCompressor, PhaseCounters
-from hybrid.comm.counters import allreduce_bytes, rooted_bytes
+from hybrid.comm import CommGroups, Communicator, PhaseCounters
+from hybrid.comm.counters import rooted_bytes
 from hybrid.comm.groups import resolve_backend
 from hybrid.config import TrainConfig
 from hybrid.data import BatchStream
@@ -55,7 +55,7 @@ from hybrid.metrics import Metrics
 from hybrid.topology import Topology
 from hybrid.trainer import _loop, _loss, build_training, load_dataset, restore_training
 
-__all__ = ["NodeReplicas", "replica_topology", "train_node"]
+__all__ = ["NodeProcessCommunicator", "NodeReplicas", "replica_topology", "train_node"]
 
 
 def replica_topology(processes: Topology, per_node: int) -> Topology:
@@ -92,11 +92,12 @@ def train_node(cfg: TrainConfig, processes: Topology, device: torch.device, run_
     start_step = restore_training(cfg, run_path, processes.rank, topology.world_size, metrics, model, optimizer,
                                   scheduler, streams)
     # The gradients' own group (not the default one, which carries the loop's start-up and checksum exchanges).
-    group = dist.new_group(backend=resolve_backend(cfg.comm.inter_backend, "inter"),
-                           timeout=timedelta(seconds=cfg.comm.timeout_s))
-    replicas = NodeReplicas(model, devices, streams, topology, group, PhaseCounters(), process_rank=processes.rank,
-                            bucket_bytes=max(1, int(cfg.comm.bucket_mb * 2**20)),
-                            inter_compression=cfg.comm.inter_compression, timeout_s=cfg.comm.timeout_s,
+    backend = resolve_backend(cfg.comm.inter_backend, "inter")
+    group = dist.new_group(backend=backend, timeout=timedelta(seconds=cfg.comm.timeout_s))
+    comm = NodeProcessCommunicator(topology, group, backend, cfg.comm.timeout_s, devices[0],
+                                   inter_compression=cfg.comm.inter_compression)
+    replicas = NodeReplicas(model, devices, streams, comm, bucket_bytes=max(1, int(cfg.comm.bucket_mb * 2**20)),
+                            timeout_s=cfg.comm.timeout_s,
                             threads_per_replica=max(1, torch.get_num_threads() // per_node))
     finished = False
     try:
@@ -122,6 +123,52 @@ def _flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
 
 
+class NodeProcessCommunicator(Communicator):
+    """Thread mode's inter-node hop: a sum among the node processes, as hierarchical's leaders do it.
+
+    Over the N-rank ``topology`` (see :func:`replica_topology`) the node
+    processes are the node leaders, and ``group`` is their group; so this is
+    :class:`hybrid.comm.HierarchicalCommunicator`'s middle phase, with the
+    same division rule, inter-node compression, counters and error messages,
+    and the intra-node phases left to :class:`NodeReplicas`' threads.
+    :meth:`start` / :meth:`finish` let the replicas keep several buckets in
+    flight.
+    """
+
+    name = "hierarchical (intra_mode=thread)"
+    compresses_inter = True
+    group_kinds = ("leaders",)
+
+    def __init__(self, topology: Topology, group: Any, backend: str, timeout_s: float, device: torch.device,
+                 counters: PhaseCounters | None = None, inter_compression: str = "none") -> None:
+        groups = CommGroups(topology, backend, backend, timedelta(seconds=timeout_s), world=None, intra=None,
+                            leaders=group, cross=None, kinds=frozenset(self.group_kinds))
+        super().__init__(groups, counters, inter_compression=inter_compression)
+        self.device = device
+
+    def start(self, flat: torch.Tensor, key: Any, divisor: int | None) -> Any:
+        """Start summing ``flat`` (the node's sum of a bucket) over the nodes; :meth:`finish` completes it."""
+        if self.topology.nnodes == 1:
+            return None
+        return self._start_inter(flat, self.groups.leaders, divisor, key)
+
+    def finish(self, flat: torch.Tensor, started: Any, divisor: int | None) -> None:
+        """Wait for :meth:`start`'s sum, then divide by ``divisor`` once (unless the compressed wire was
+        divided before it left)."""
+        divided = started is not None and self._finish_inter(flat, started, self.topology.nnodes)
+        if divisor is not None and not divided:
+            self._divide_(flat, divisor)
+
+    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Any) -> None:
+        self.finish(flat, self.start(flat, key, divisor), divisor)
+
+    def _wait(self, phase: str, works: list, nbytes: int) -> None:
+        with self._phase(phase, nbytes):
+            for work in works:
+                work.wait()
+            _synchronize(self.device)
+
+
 class NodeReplicas:
     """This node's G replicas, driven as nn.DataParallel drives its devices; what the trainer loop steps.
 
@@ -131,19 +178,18 @@ class NodeReplicas:
     """
 
     def __init__(self, leader: nn.Module, devices: list[torch.device], streams: list[BatchStream],
-                 topology: Topology, group: Any, counters: PhaseCounters, *, process_rank: int, bucket_bytes: int,
-                 inter_compression: str, timeout_s: float, threads_per_replica: int) -> None:
+                 comm: NodeProcessCommunicator, *, bucket_bytes: int, timeout_s: float,
+                 threads_per_replica: int) -> None:
         if len(devices) != len(streams):
             raise ValueError(f"{len(devices)} devices but {len(streams)} batch streams: one each per replica")
         self.module = leader
-        self.devices, self.streams, self.topology, self.group = devices, streams, topology, group
-        self.counters, self.process_rank, self.timeout_s = counters, process_rank, timeout_s
+        self.devices, self.streams, self.comm, self.timeout_s = devices, streams, comm, timeout_s
+        self.topology, self.counters = comm.topology, comm.counters
         # Copied from the leader as it stands (after any resume): every replica starts identical.
         self.replicas = [leader] + [copy.deepcopy(leader).to(d) for d in devices[1:]]
         self._params = [list(m.parameters()) for m in self.replicas]
         self._param_bytes = sum(p.nbytes for p in self._params[0])
         self._buckets = self._bucket(bucket_bytes)
-        self._compressor = InterCompressor(inter_compression)
         # Intra-op threads per replica thread: the replicas share this process's cores.
         self._threads_per_replica = threads_per_replica
 
@@ -209,7 +255,7 @@ class NodeReplicas:
 
     def _sync_gradients(self) -> None:
         """intra_reduce bucket by bucket, each bucket's inter-node all-reduce starting as soon as it is summed."""
-        g, leader_device = len(self.replicas), self.devices[0]
+        g, n, leader_device = len(self.replicas), self.topology.world_size, self.devices[0]
         in_flight = []
         for k, bucket in enumerate(self._buckets):
             start = time.perf_counter()
@@ -219,48 +265,15 @@ class NodeReplicas:
             _synchronize(leader_device)
             # Bytes as the counters count them (a bandwidth-optimal reduce): what process mode's ranks report.
             self.counters.add("intra_reduce", time.perf_counter() - start, rooted_bytes(flat.nbytes, g))
-            in_flight.append((bucket, flat, self._start_inter(flat, (k, flat.numel()))))
-        for bucket, flat, inter in in_flight:
-            self._finish_inter(flat, inter)
+            in_flight.append((bucket, flat, self.comm.start(flat, (k, flat.numel()), n)))
+        for bucket, flat, started in in_flight:
+            self.comm.finish(flat, started, n)
             params = [self._params[0][i] for i in bucket]
             for p, reduced in zip(params, torch.split(flat, [p.numel() for p in params])):
                 if p.grad is None:
                     p.grad = reduced.view_as(p).clone()
                 else:
                     p.grad.copy_(reduced.view_as(p))
-
-    def _start_inter(self, flat: torch.Tensor, key: Any) -> tuple[Any, torch.Tensor, bool] | None:
-        """Start the all-reduce (sum) of ``flat`` among the node processes: (work, tensor on the wire, divided)."""
-        if self.topology.nnodes == 1:
-            return None
-        if self._compressor.applies_to(flat):
-            # As the hierarchical communicator: divide first (fp16 stays in range), send 16 bits, keep the residual.
-            Communicator._divide_(flat, self.topology.world_size)
-            wire = self._compressor.compress_(flat, key)
-            return dist.all_reduce(wire, group=self.group, async_op=True), wire, True
-        return dist.all_reduce(flat, group=self.group, async_op=True), flat, False
-
-    def _finish_inter(self, flat: torch.Tensor, inter: tuple[Any, torch.Tensor, bool] | None) -> None:
-        divided = False
-        if inter is not None:
-            work, wire, divided = inter
-            start = time.perf_counter()
-            try:
-                work.wait()
-                _synchronize(self.devices[0])
-            except Exception as exc:
-                cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise CommError(
-                    f"hierarchical (intra_mode=thread) inter_allreduce failed on rank {self.process_rank} "
-                    f"(node {self.topology.node}) after {time.perf_counter() - start:.1f}s: {cause}"
-                ) from exc
-            self.counters.add("inter_allreduce", time.perf_counter() - start,
-                              allreduce_bytes(wire.nbytes, self.topology.nnodes))
-            if wire is not flat:
-                flat.copy_(wire)
-        if not divided:
-            # Sum first, divide once, with the communicator's rule (the same bits as process mode's division).
-            Communicator._divide_(flat, self.topology.world_size)
 
     def end_step(self) -> None:
         """After the optimizer step (or a skipped one): the other replicas take the leader's parameters

@@ -32,8 +32,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.checkpoint import checkpoint_steps, load_checkpoint, save_checkpoint
-from hybrid.comm import (PHASES, AutoCommunicator, CommGroups, Communicator, PhaseCounters, group_kinds_for,
-                         make_communicator, register_comm_hook)
+from hybrid.comm import (MODEL_LEVELS, PHASES, AutoCommunicator, CommGroups, Communicator, PhaseCounters,
+                         group_kinds_for, make_communicator, register_comm_hook)
 from hybrid.config import TrainConfig, resume_target
 from hybrid.data import KIND_OF_MODEL, ArrayDataset, BatchStream, DatasetSpec, check_arrays, ensure_synthetic, load_arrays
 from hybrid.distributed import init_distributed, shutdown_distributed
@@ -298,13 +298,13 @@ def describe_auto_calibration(comm: AutoCommunicator) -> str:
     """One status line: what auto measured at start-up (or that it had nothing to choose from)."""
     if comm.model is None:
         return f"comm=auto: only {comm.candidates[0]} applies to this layout; no calibration"
-    intra, inter = comm.model.intra, comm.model.inter
 
     def level(lv: Any) -> str:
         rate = f"{8e-9 / lv.beta_s_per_byte:.3g} Gbit/s" if lv.beta_s_per_byte > 0 else "bandwidth unresolved"
         return f"alpha {lv.alpha_s * 1e6:.0f} us, {rate}"
 
-    return (f"comm=auto calibrated in {comm.calibration_s:.2f} s: intra {level(intra)}; inter {level(inter)}; "
+    levels = "; ".join(f"{name} {level(lv)}" for name in MODEL_LEVELS if (lv := getattr(comm.model, name)) is not None)
+    return (f"comm=auto calibrated in {comm.calibration_s:.2f} s: {levels}; "
             f"{comm.model.nics_per_node} NIC(s) per node for sharded; choosing among {', '.join(comm.candidates)} "
             "per bucket size")
 

@@ -4,6 +4,7 @@ The collective parts (calibration agreed by every rank, results equal to torch's
 buckets taking different algorithms) run in the 2x2 job of tests/test_comm_multiprocess.py.
 """
 
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -88,6 +89,26 @@ def test_compressing_the_inter_hop_halves_its_price_for_the_two_level_algorithms
     # bf16 tensors travel in 16 bits already: no saving to price in.
     bf16 = _auto(topo, model, "bf16").decide(8 * MiB, torch.bfloat16)
     assert bf16.predicted_s["hierarchical"] == plain.predicted_s["hierarchical"]
+
+
+def test_levels_measured_from_an_algorithms_own_collectives_price_it_instead_of_the_derivation():
+    derived = Model(Level(1e-4, 8 / 10e9), Level(10e-6, 8 / 1e9))
+    topo = Topology(0, ((0, 1, 2, 3), (4, 5, 6, 7)))
+    before = _auto(topo, derived).decide(2 * MiB)
+    assert before.predicted_s["sharded"] == before.predicted_s["hierarchical"]  # one NIC: priced alike
+    # Measured: the all-to-all is cheaper than the rooted reduce, and the 4 concurrent cross all-reduces
+    # of 1/4 each take 0.9x what the leaders' one does (per byte of shard: 4 x 0.9 the inter beta).
+    measured = replace(derived, sharded_intra=Level(0.5e-4, 8 / 20e9),
+                       sharded_inter=Level(10e-6, 0.9 * 4 * 8 / 1e9), flat=Level(10e-6, 2 * 8 / 1e9))
+    after = _auto(topo, measured).decide(2 * MiB)
+    assert after.chosen == "sharded" and after.predicted_s["sharded"] < 0.95 * after.predicted_s["hierarchical"]
+    assert after.predicted_s["hierarchical"] == before.predicted_s["hierarchical"]  # its own levels: unchanged
+    assert after.predicted_s["flat"] == pytest.approx(2 * before.predicted_s["flat"], rel=0.01)
+    # bf16 on the inter hop also makes the measured cross level cheaper.
+    squeezed = _auto(topo, measured, "bf16").decide(2 * MiB)
+    assert squeezed.predicted_s["sharded"] < after.predicted_s["sharded"]
+    assert squeezed.predicted_s["flat"] == after.predicted_s["flat"]
+    assert set(_auto(topo, measured).report()["model"]) == {"intra", "inter", "flat", "sharded_intra", "sharded_inter"}
 
 
 def test_one_candidate_needs_no_calibration_and_runs_flat():

@@ -162,7 +162,7 @@ def test_bad_data_files_are_one_line_and_write_nothing(case, tmp_path_factory, m
 
 def test_resume_of_a_non_run_or_another_model_is_refused_before_anything_runs(tmp_path):
     run = tmp_path / "run"
-    first = hybrid_train(*SMALL, f"hydra.run.dir={run}", cwd=tmp_path)
+    first = hybrid_train(*SMALL, "cluster=1x2", f"hydra.run.dir={run}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     (tmp_path / "plain").mkdir()
     for args, needle in (

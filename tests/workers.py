@@ -423,9 +423,11 @@ def run_cases(cases: list[str], params: dict[str, dict]) -> dict[str, Any]:
         topo = discover_topology(env)
         torch.set_num_threads(1)
         groups = CommGroups.build(topo, timeout_s=120)
-        out: dict[str, Any] = {"rank": env.rank, "node_sizes": topo.node_sizes}
+        out: dict[str, Any] = {"rank": env.rank, "node_sizes": topo.node_sizes, "seconds": {}}
         for name in cases:
+            start = time.perf_counter()
             out[name] = CASES[name](topo, groups, params.get(name, {}))
+            out["seconds"][name] = round(time.perf_counter() - start, 2)  # where a job's time goes
         return out
     finally:
         shutdown_distributed()

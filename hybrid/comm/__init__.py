@@ -11,7 +11,7 @@ Typical use inside any training loop (the process group already initialised)::
 This package does not import Hydra, TensorBoard or anything that touches files.
 """
 
-from hybrid.comm.auto import AutoCommunicator, Decision, auto_group_kinds, measure_levels
+from hybrid.comm.auto import MODEL_LEVELS, AutoCommunicator, Decision, auto_group_kinds, measure_levels
 from hybrid.comm.base import LOW_PRECISION, SUPPORTED_DTYPES, CommError, Communicator
 from hybrid.comm.compression import INTER_COMPRESSIONS, InterCompressor
 from hybrid.comm.counters import PHASES, PhaseCounters, PhaseStats
@@ -32,6 +32,7 @@ __all__ = [
     "GROUP_KINDS",
     "INTER_COMPRESSIONS",
     "LOW_PRECISION",
+    "MODEL_LEVELS",
     "PHASES",
     "SUPPORTED_DTYPES",
     "CommError",

@@ -7,18 +7,21 @@ choice is right everywhere. Like a collective tuner (NCCL's, Open MPI's
 "tuned" decision rules), ``auto`` decides per message size, but from
 measurements of this job's own links rather than from a table:
 
-1. At start-up every node times a rooted reduce inside the node and the node
-   leaders time an all-reduce among themselves, at a few sizes
-   (:func:`measure_levels`). The slowest rank's times are shared with every
-   rank (one MAX all-reduce), and alpha (latency per step) and beta (seconds
-   per byte) are fitted per level with :func:`hybrid.costmodel.fit_level`,
-   the same least squares that calibrates the model from benchmark runs.
-   Every rank thus holds the very same model. On equal nodes the ranks also
-   run sharded's inter-node phase once (g concurrent all-reduces of 1/g of
-   the largest size, one per local rank): how much faster that is than the
-   leaders' single all-reduce, rounded to a whole number, is the number of
-   NICs the node's traffic spreads over (``nics_per_node``); rounding keeps
-   measurement noise from making sharded look faster over one NIC.
+1. At start-up every candidate's phases are timed as that algorithm runs
+   them, at a few sizes (:func:`measure_levels`): hierarchical's reduce and
+   broadcast inside the node and its leaders' all-reduce, flat's all-reduce
+   over every rank, sharded's all-to-all (with the sum) and broadcasts
+   inside the node and its g concurrent cross-node all-reduces. The slowest
+   rank's times are shared with every rank (one MAX all-reduce), and alpha
+   (latency per step) and beta (seconds per byte) are fitted per phase
+   level with :func:`hybrid.costmodel.fit_level`, the same least squares
+   that calibrates the model from benchmark runs. Every rank thus holds the
+   very same model. Timing each algorithm's own collectives matters on real
+   libraries: gloo's all-to-all does not cost what its rooted reduce does,
+   nor g all-reduces sharing a link what one does (on the testbed, deriving
+   flat and sharded from hierarchical's collectives instead kept auto at
+   0.93-0.95x the best fixed algorithm on 1.6 MiB buckets; timing them,
+   0.96-0.99x: experiments/RESULTS.md).
 2. The first time a tensor of a given size (and dtype) is averaged, the cost
    model predicts each candidate algorithm (pipelined in this communicator's
    pieces) and the fastest is kept for that size: a :class:`Decision`.
@@ -32,11 +35,6 @@ flat there and measures nothing. With ``inter_compression``, hierarchical
 and sharded send 16 bits per value across nodes, and the model prices their
 inter-node phase accordingly; flat stays uncompressed.
 
-Over one NIC per node sharded's concurrent cross-node all-reduces share the
-link and cost what hierarchical's one does: equal predictions, so
-hierarchical is chosen; sharded wins where the node's traffic spreads over
-several NICs.
-
 On NCCL every bucket goes through the DDP hook's communication thread (one
 order of collectives across all groups on every rank, as NCCL needs for
 communicators used side by side); on gloo, buckets auto sends flat keep
@@ -49,7 +47,7 @@ import statistics
 import threading
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -62,13 +60,20 @@ from hybrid.comm.groups import CommGroups
 from hybrid.costmodel import Level, Model, fit_level, predict
 from hybrid.topology import Layout, Topology
 
-__all__ = ["CALIBRATION_SIZES", "AutoCommunicator", "Decision", "auto_candidates", "auto_group_kinds",
+__all__ = ["CALIBRATION_SIZES", "MODEL_LEVELS", "AutoCommunicator", "Decision", "auto_candidates", "auto_group_kinds",
            "measure_levels"]
 
 # Small enough that latency dominates, and up to one pipeline piece: what every
 # phase of the two-level algorithms moves per collective.
 CALIBRATION_SIZES = (16 * 2**10, 512 * 2**10, 4 * 2**20)
-CALIBRATION_REPEATS = 3
+CALIBRATION_REPEATS = 5
+# The Model's levels, in the order reports list them.
+MODEL_LEVELS = ("intra", "inter", "flat", "sharded_intra", "sharded_inter")
+
+def _cheaper(level: Level | None, factor: float) -> Level | None:
+    """``level`` with ``factor`` times the seconds per byte (a narrower wire)."""
+    return None if level is None else Level(level.alpha_s, level.beta_s_per_byte * factor)
+
 
 def auto_candidates(topology: Topology) -> tuple[str, ...]:
     """The algorithms worth comparing on ``topology``, simplest first."""
@@ -99,33 +104,54 @@ class Decision:
                 "predicted_s": dict(self.predicted_s)}
 
 
-def _timed(start_collective: Callable[[], Any], device: torch.device, repeats: int,
+def _timed(run: Callable[[], Any], device: torch.device, repeats: int,
            before: Callable[[], Any] | None = None) -> float:
-    """Median seconds of a collective (``start_collective()`` returns its Work) over ``repeats``, after one
-    warm-up; each time waits for the Work and, on CUDA, for the device (NCCL's wait only orders streams).
-    ``before`` runs ahead of each try, untimed."""
+    """Median seconds of ``run()`` (it issues collectives and returns their Works) over ``repeats``, after
+    one warm-up; each time waits for every Work and, on CUDA, for the device (NCCL's wait only orders
+    streams). ``before`` runs ahead of each try, untimed."""
     times = []
     for _ in range(repeats + 1):
         if before is not None:
             before()
         start = time.perf_counter()
-        start_collective().wait()
+        for work in run():
+            work.wait()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
 
+def _points(times: list[float], sizes: tuple[float, ...], p: int) -> list[tuple[float, float, float]]:
+    """(steps, bytes, seconds) per size of a ring all-reduce over p ranks, which are also those of a rooted
+    pair (reduce then broadcast, reduce-scatter then all-gather): 2(p-1) steps moving 2(p-1)/p of the bytes."""
+    return [(2 * (p - 1), 2 * (p - 1) / p * s, t) for s, t in zip(sizes, times)]
+
+
 def measure_levels(groups: CommGroups, device: torch.device | str = "cpu",
                    sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = CALIBRATION_REPEATS) -> Model:
-    """Fit alpha and beta of the intra-node and inter-node level from timed collectives.
+    """Fit alpha and beta of every candidate's phases from its own collectives, timed at ``sizes``.
 
     Collective over every rank (it talks over ``groups.world``, ``intra`` and
     ``leaders``, and ``cross`` where built); every rank returns the same
-    model. Intra: a reduce to the leader over the node's g ranks, (g-1) steps
-    moving (g-1)/g of the bytes. Inter: an all-reduce among the n leaders,
-    2(n-1) steps moving 2(n-1)/n of the bytes. These are the formulas
-    :mod:`hybrid.costmodel` predicts with. NICs: see the module docstring.
+    model. Timed as the algorithms run them:
+
+    - hierarchical: a reduce to the leader then a broadcast back inside the
+      node (``intra``: 2(g-1) steps moving 2(g-1)/g of the bytes), and an
+      all-reduce among the n leaders (``inter``: 2(n-1) steps, 2(n-1)/n of
+      the bytes);
+    - flat: an all-reduce over all N ranks (``flat``: 2(N-1) steps);
+    - sharded (equal nodes): the node's all-to-all with the sum of the
+      received shards, then one broadcast per shard (``sharded_intra``, as
+      intra), and every local rank's shard all-reduced across nodes at once
+      after a barrier, so the g all-reduces share the node's links as they
+      do in training (``sharded_inter``: 2(n-1) steps, 2(n-1)/n of S/g).
+
+    These are the formulas :mod:`hybrid.costmodel` predicts with, so each
+    candidate is priced from what its collectives cost on this job's links,
+    not derived from another algorithm's. ``nics_per_node`` (the leaders'
+    all-reduce over the g concurrent ones at the largest size, in whole
+    NICs) is reported; the measured ``sharded_inter`` is what prices sharded.
     """
     topo = groups.topology
     if groups.world is None or groups.intra is None or (groups.leaders is None and topo.is_leader):
@@ -134,35 +160,59 @@ def measure_levels(groups: CommGroups, device: torch.device | str = "cpu",
         raise ValueError(f"calibration needs at least two sizes, got {sizes}")
     device = torch.device(device)
     buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=device)
-    local, nnodes = topo.local_world_size, topo.nnodes
-    intra = [0.0] * len(sizes)
-    inter = [0.0] * len(sizes)
+    local, nnodes, me, members = topo.local_world_size, topo.nnodes, topo.local_rank, topo.node_ranks
+    sharded = groups.cross is not None and nnodes > 1 and local > 1
+    inbox = buf.new_empty(buf.numel() + local) if sharded else buf
+    barrier = lambda: dist.barrier(group=groups.world)  # noqa: E731 - so that concurrent phases start together
+    timings: dict[str, list[float]] = {k: [0.0] * len(sizes) for k in ("intra", "inter", "flat", "s_intra", "s_inter")}
     for i, size in enumerate(sizes):
         piece = buf[: size // 4]
+        shards = torch.tensor_split(piece, local)
+        mine = shards[me]
         if local > 1:
-            intra[i] = _timed(lambda: dist.reduce(piece, dst=topo.leader, group=groups.intra, async_op=True),
-                              device, repeats)
-        if topo.is_leader and nnodes > 1:
-            inter[i] = _timed(lambda: dist.all_reduce(piece, group=groups.leaders, async_op=True), device, repeats)
-    # Sharded's inter phase at the largest size: every local rank's shard across nodes at once (each
-    # repetition starts together, after a barrier, so the g all-reduces really share the node's links).
-    spread = 0.0
-    if groups.cross is not None and nnodes > 1 and local > 1:
-        shard = torch.tensor_split(buf, local)[topo.local_rank]
 
-        spread = _timed(lambda: dist.all_reduce(shard, group=groups.cross, async_op=True), device, repeats,
-                        before=lambda: dist.barrier(group=groups.world))
-    # The slowest rank's time per size and level, on every rank: one model everywhere.
-    times = torch.tensor(intra + inter + [spread], dtype=torch.float64, device=device)
+            def reduce_then_broadcast() -> list[Any]:
+                dist.reduce(piece, dst=topo.leader, group=groups.intra, async_op=True).wait()
+                return [dist.broadcast(piece, src=topo.leader, group=groups.intra, async_op=True)]
+
+            timings["intra"][i] = _timed(reduce_then_broadcast, device, repeats)
+        if topo.is_leader and nnodes > 1:
+            timings["inter"][i] = _timed(lambda: [dist.all_reduce(piece, group=groups.leaders, async_op=True)],
+                                         device, repeats)
+        timings["flat"][i] = _timed(lambda: [dist.all_reduce(piece, group=groups.world, async_op=True)],
+                                    device, repeats, before=barrier)
+        if sharded:
+            received = inbox[: mine.numel() * local]
+
+            def reduce_scatter_then_gather() -> list[Any]:
+                dist.all_to_all_single(received, piece, output_split_sizes=[mine.numel()] * local,
+                                       input_split_sizes=[s.numel() for s in shards], group=groups.intra,
+                                       async_op=True).wait()
+                torch.sum(received.view(local, -1), dim=0, out=mine)
+                return [dist.broadcast(s, src=members[j], group=groups.intra, async_op=True)
+                        for j, s in enumerate(shards) if s.numel()]
+
+            timings["s_intra"][i] = _timed(reduce_scatter_then_gather, device, repeats)
+            timings["s_inter"][i] = _timed(lambda: [dist.all_reduce(mine, group=groups.cross, async_op=True)],
+                                           device, repeats, before=barrier)
+    # The slowest rank's time per size and phase, on every rank: one model everywhere.
+    keys = list(timings)
+    times = torch.tensor([t for k in keys for t in timings[k]], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=groups.world)
-    times_list = times.cpu().tolist()
+    slowest = dict(zip(keys, (times.cpu().tolist()[j * len(sizes):(j + 1) * len(sizes)] for j in range(len(keys)))))
     g, n = max(topo.node_sizes), nnodes
-    intra_points = [(g - 1, (g - 1) / g * s, t) for s, t in zip(sizes, times_list[: len(sizes)])]
-    inter_points = [(2 * (n - 1), 2 * (n - 1) / n * s, t) for s, t in zip(sizes, times_list[len(sizes):-1])]
-    spread_s, leaders_s = times_list[-1], times_list[len(sizes) + sizes.index(max(sizes))]
+    intra = fit_level(_points(slowest["intra"], sizes, g))
+    inter = fit_level(_points(slowest["inter"], sizes, n))
+    flat = fit_level(_points(slowest["flat"], sizes, topo.world_size))
+    if not sharded:
+        return Model(intra, inter, 1, flat)
+    largest = sizes.index(max(sizes))
+    spread_s, leaders_s = slowest["s_inter"][largest], slowest["inter"][largest]
     # How many links sharded's g all-reduces spread over, in whole NICs (at least 1, at most g).
     nics = min(g, max(1, round(leaders_s / spread_s))) if spread_s > 0 else 1
-    return Model(fit_level(intra_points), fit_level(inter_points), nics)
+    shard_sizes = tuple(s / g for s in sizes)
+    return Model(intra, inter, nics, flat, fit_level(_points(slowest["s_intra"], sizes, g)),
+                 fit_level(_points(slowest["s_inter"], shard_sizes, n)))
 
 
 class AutoCommunicator(Communicator):
@@ -175,6 +225,7 @@ class AutoCommunicator(Communicator):
 
     name = AUTO
     group_kinds = ()  # depends on the topology: auto_group_kinds()
+    compresses_inter = True  # passed to its choices of hierarchical and sharded
 
     def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, inter_compression: str = "none",
@@ -222,11 +273,10 @@ class AutoCommunicator(Communicator):
     def _predict(self, name: str, nbytes: int, dtype: torch.dtype) -> float:
         assert self.model is not None
         model = self.model
-        if name != "flat" and self.inter_compression != "none" and dtype in (torch.float32, torch.float64):
+        if self.members[name].compressor.applies_to(torch.empty(0, dtype=dtype)):
             # The inter-node phase carries 2 bytes per value instead of dtype's element size.
             wire = 2 / torch.empty(0, dtype=dtype).element_size()
-            model = Model(model.intra, Level(model.inter.alpha_s, model.inter.beta_s_per_byte * wire),
-                          model.nics_per_node)
+            model = replace(model, inter=_cheaper(model.inter, wire), sharded_inter=_cheaper(model.sharded_inter, wire))
         return predict(model, name, self.layout, nbytes, chunk_bytes=self.chunk_bytes)["total"]
 
     def member_for(self, tensor: torch.Tensor) -> Communicator:
@@ -243,11 +293,9 @@ class AutoCommunicator(Communicator):
     def report(self) -> dict[str, Any]:
         """The calibration and every decision so far, JSON-ready (metrics.json's ``comm_auto``)."""
         model = None if self.model is None else {
-            level: {"alpha_s": getattr(self.model, level).alpha_s,
-                    "beta_s_per_byte": getattr(self.model, level).beta_s_per_byte,
-                    "gbit_per_s": (8e-9 / getattr(self.model, level).beta_s_per_byte
-                                   if getattr(self.model, level).beta_s_per_byte > 0 else None)}
-            for level in ("intra", "inter")
+            level: {"alpha_s": lv.alpha_s, "beta_s_per_byte": lv.beta_s_per_byte,
+                    "gbit_per_s": 8e-9 / lv.beta_s_per_byte if lv.beta_s_per_byte > 0 else None}
+            for level in MODEL_LEVELS if (lv := getattr(self.model, level)) is not None
         }
         with self._lock:
             decisions = sorted(self.decisions.values(), key=lambda d: d.nbytes)

@@ -74,6 +74,8 @@ class Communicator(ABC):
     name: ClassVar[str]
     # The CommGroups kinds this algorithm talks over (what CommGroups.build must have built).
     group_kinds: ClassVar[tuple[str, ...]]
+    # Whether it has an inter-node phase of its own that ``inter_compression`` can narrow.
+    compresses_inter: ClassVar[bool] = False
 
     def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, inter_compression: str = "none") -> None:

@@ -15,7 +15,7 @@ from hybrid.comm.hierarchical import HierarchicalCommunicator
 from hybrid.comm.sharded import ShardedCommunicator
 from hybrid.topology import Topology
 
-__all__ = ["ALGORITHMS", "CHOOSABLE", "group_kinds_for", "make_communicator"]
+__all__ = ["ALGORITHMS", "AUTO", "CHOOSABLE", "COMPRESSIBLE", "group_kinds_for", "make_communicator"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,9 @@ ALGORITHMS: dict[str, type[Communicator]] = {
 # ALGORITHMS per bucket size, so it imports them from here and is imported where it is built).
 AUTO = "auto"
 CHOOSABLE = (*ALGORITHMS, AUTO)
+# What comm.inter_compression applies to: the algorithms with an inter-node phase of their own, and auto
+# (which passes it to its choices of them).
+COMPRESSIBLE = (*(name for name, cls in ALGORITHMS.items() if cls.compresses_inter), AUTO)
 
 
 def _resolve(algorithm: str, topology: Topology) -> str:

@@ -33,6 +33,7 @@ __all__ = ["HierarchicalCommunicator"]
 class HierarchicalCommunicator(Communicator):
     name = "hierarchical"
     group_kinds = ("intra", "leaders")
+    compresses_inter = True
 
     def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable) -> None:
         topo, groups = self.topology, self.groups

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybrid.comm.compression import INTER_COMPRESSIONS
-from hybrid.comm.factory import CHOOSABLE
+from hybrid.comm.factory import CHOOSABLE, COMPRESSIBLE
 from hybrid.comm.groups import BACKENDS
 
 __all__ = ["COMM_CHOICES", "CommSettings"]
@@ -48,7 +48,7 @@ class CommSettings:
         if self.inter_compression not in INTER_COMPRESSIONS:
             raise ValueError(f"comm.inter_compression={self.inter_compression!r} is not one of "
                              f"{', '.join(INTER_COMPRESSIONS)}")
-        if self.inter_compression != "none" and self.algorithm not in ("hierarchical", "sharded", "auto"):
+        if self.inter_compression != "none" and self.algorithm not in COMPRESSIBLE:
             raise ValueError(f"comm.inter_compression={self.inter_compression!r} compresses the inter-node phase of "
                              f"hierarchical and sharded (and auto's choices of them); comm={self.algorithm} has "
                              "none: use none")

@@ -41,6 +41,7 @@ __all__ = ["ShardedCommunicator"]
 class ShardedCommunicator(Communicator):
     name = "sharded"
     group_kinds = ("intra", "cross")
+    compresses_inter = True
 
     def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, inter_compression: str = "none") -> None:
