@@ -129,10 +129,14 @@ class NodeProcessCommunicator(Communicator):
     Over the N-rank ``topology`` (see :func:`replica_topology`) the node
     processes are the node leaders, and ``group`` is their group; so this is
     :class:`hybrid.comm.HierarchicalCommunicator`'s middle phase, with the
-    same division rule, inter-node compression, counters and error messages,
-    and the intra-node phases left to :class:`NodeReplicas`' threads.
-    :meth:`start` / :meth:`finish` let the replicas keep several buckets in
-    flight.
+    same division rule, inter-node compression and counters, and the
+    intra-node phases left to :class:`NodeReplicas`' threads. :meth:`start` /
+    :meth:`finish` let the replicas keep several buckets in flight. A failure
+    names the node and its leader replica's global rank (node x G), the rank
+    that process mode's leader of that node would have.
+
+    Each process passes its node's *sum* over its G replicas: ``all_reduce_mean_``
+    then returns the mean over all N replicas (the sum over the nodes / N).
     """
 
     name = "hierarchical (intra_mode=thread)"

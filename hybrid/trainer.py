@@ -304,9 +304,10 @@ def describe_auto_calibration(comm: AutoCommunicator) -> str:
         return f"alpha {lv.alpha_s * 1e6:.0f} us, {rate}"
 
     levels = "; ".join(f"{name} {level(lv)}" for name in MODEL_LEVELS if (lv := getattr(comm.model, name)) is not None)
-    return (f"comm=auto calibrated in {comm.calibration_s:.2f} s: {levels}; "
-            f"{comm.model.nics_per_node} NIC(s) per node for sharded; choosing among {', '.join(comm.candidates)} "
-            "per bucket size")
+    # Without a measured cross level, sharded is priced by spreading the inter level over the NICs.
+    nics = "" if comm.model.sharded_inter is not None else f"; {comm.model.nics_per_node} NIC(s) per node for sharded"
+    return (f"comm=auto calibrated in {comm.calibration_s:.2f} s: {levels}{nics}; choosing among "
+            f"{', '.join(comm.candidates)} per bucket size")
 
 
 def log_auto_decisions(comm: AutoCommunicator, metrics: Metrics, step: int, logged: set[int]) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybrid.comm import AutoCommunicator, CommGroups, group_kinds_for
-from hybrid.comm.auto import auto_candidates
+from hybrid.comm.auto import CALIBRATION_SIZES, auto_candidates, fit_calibration
 from hybrid.costmodel import Level, Model, predict
 from hybrid.topology import Layout, Topology
 
@@ -109,6 +109,28 @@ def test_levels_measured_from_an_algorithms_own_collectives_price_it_instead_of_
     assert squeezed.predicted_s["sharded"] < after.predicted_s["sharded"]
     assert squeezed.predicted_s["flat"] == after.predicted_s["flat"]
     assert set(_auto(topo, measured).report()["model"]) == {"intra", "inter", "flat", "sharded_intra", "sharded_inter"}
+
+
+@pytest.mark.parametrize("timed_sharded", [True, False])  # equal nodes; nodes of 3 and 1 (priced as 2 x 3)
+def test_the_fitted_model_reproduces_the_timed_points_on_the_layout_it_prices(timed_sharded):
+    sizes, layout = CALIBRATION_SIZES, Layout.uniform(2, 3)
+    # Times of the form latency + size / rate, as each phase was timed (the slowest rank's).
+    shape = {"intra": (3e-4, 4e9), "inter": (1e-3, 5e7), "flat": (2e-3, 4e7), "s_intra": (2e-4, 6e9),
+             "s_inter": (1.5e-3, 5.5e7)}
+    if not timed_sharded:
+        del shape["s_intra"], shape["s_inter"]
+    seconds = {k: [lat + s / rate for s in sizes] for k, (lat, rate) in shape.items()}
+    model = fit_calibration(seconds, sizes, layout)
+    assert (model.sharded_inter is not None) == timed_sharded
+    for i, size in enumerate(sizes):
+        assert predict(model, "flat", layout, size)["total"] == pytest.approx(seconds["flat"][i])
+        hier = predict(model, "hierarchical", layout, size)
+        assert hier["intra_reduce"] + hier["intra_broadcast"] == pytest.approx(seconds["intra"][i])
+        assert hier["inter_allreduce"] == pytest.approx(seconds["inter"][i])
+        if timed_sharded:
+            sharded = predict(model, "sharded", layout, size)
+            assert sharded["intra_reduce"] + sharded["intra_broadcast"] == pytest.approx(seconds["s_intra"][i])
+            assert sharded["inter_allreduce"] == pytest.approx(seconds["s_inter"][i])
 
 
 def test_one_candidate_needs_no_calibration_and_runs_flat():

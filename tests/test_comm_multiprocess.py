@@ -52,7 +52,7 @@ def job(layout: str) -> list[dict]:
 
 @pytest.mark.parametrize("layout", list(PLANS))
 def test_every_algorithm_matches_torch_flat_allreduce(layout):
-    """Sizes 0, 1, 7, 2^20+3 in fp32/fp64/bf16/fp16: bit-exact for integer-valued fp32/fp64,
+    """Sizes 0, 1, 7, 2^20+3 (2^18+3 on 4x2 and 2x3) in fp32/fp64/bf16/fp16: bit-exact for integer-valued fp32/fp64,
     within the summation error bound for bf16/fp16, identical bits on every rank,
     and no fp16 overflow where the mean is representable."""
     results = job(layout)
@@ -150,7 +150,10 @@ def test_auto_calibrates_alike_everywhere_and_mixes_algorithms_by_bucket_size(la
         auto = rank_result["auto"]
         assert auto["failures"] == []
         assert auto["candidates"] == (["flat", "hierarchical", "sharded"] if layout == "2x2" else ["flat", "hierarchical"])
-        for level in ("intra", "inter"):  # fitted from measurements: finite, non-negative (the fit clamps at 0)
+        # Every candidate priced from its own timed collectives: sharded's levels only where it is a candidate.
+        levels = ["intra", "inter", "flat"] + (["sharded_intra", "sharded_inter"] if layout == "2x2" else [])
+        assert sorted(auto["model"]) == sorted(levels)
+        for level in levels:  # fitted from measurements: finite, non-negative (the fit clamps at 0)
             assert 0 <= auto["model"][level]["beta_s_per_byte"] < float("inf")
             assert 0 <= auto["model"][level]["alpha_s"] < float("inf")
         assert auto["bucket_choices"] == ["flat", "hierarchical"]  # both paths of the hook were taken

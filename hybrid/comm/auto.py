@@ -61,7 +61,7 @@ from hybrid.costmodel import Level, Model, fit_level, predict
 from hybrid.topology import Layout, Topology
 
 __all__ = ["CALIBRATION_SIZES", "MODEL_LEVELS", "AutoCommunicator", "Decision", "auto_candidates", "auto_group_kinds",
-           "measure_levels"]
+           "fit_calibration", "measure_levels"]
 
 # Small enough that latency dominates, and up to one pipeline piece: what every
 # phase of the two-level algorithms moves per collective.
@@ -199,20 +199,36 @@ def measure_levels(groups: CommGroups, device: torch.device | str = "cpu",
     keys = list(timings)
     times = torch.tensor([t for k in keys for t in timings[k]], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=groups.world)
-    slowest = dict(zip(keys, (times.cpu().tolist()[j * len(sizes):(j + 1) * len(sizes)] for j in range(len(keys)))))
-    g, n = max(topo.node_sizes), nnodes
-    intra = fit_level(_points(slowest["intra"], sizes, g))
-    inter = fit_level(_points(slowest["inter"], sizes, n))
-    flat = fit_level(_points(slowest["flat"], sizes, topo.world_size))
+    flat_times = times.cpu().tolist()
+    slowest = {k: flat_times[j * len(sizes):(j + 1) * len(sizes)] for j, k in enumerate(keys)}
     if not sharded:
+        del slowest["s_intra"], slowest["s_inter"]
+    return fit_calibration(slowest, sizes, Layout.uniform(nnodes, max(topo.node_sizes)))
+
+
+def fit_calibration(seconds: dict[str, list[float]], sizes: tuple[int, ...], layout: Layout) -> Model:
+    """The model :func:`measure_levels` fits from the slowest rank's ``seconds`` per phase and size.
+
+    ``layout`` is the uniform layout the model prices (nodes of the largest
+    size: the slowest node paces every phase), so each level is fitted with
+    the same rank counts :func:`hybrid.costmodel.predict` uses, and the model
+    reproduces the timed points: flat over n x g ranks, the intra levels over
+    g, the inter levels over n (sharded's with S/g bytes per cross group).
+    Keys: intra, inter, flat, and s_intra, s_inter where sharded was timed.
+    """
+    n, g = layout.nnodes, layout.node_sizes[0]
+    intra = fit_level(_points(seconds["intra"], sizes, g))
+    inter = fit_level(_points(seconds["inter"], sizes, n))
+    flat = fit_level(_points(seconds["flat"], sizes, n * g))
+    if "s_inter" not in seconds:
         return Model(intra, inter, 1, flat)
     largest = sizes.index(max(sizes))
-    spread_s, leaders_s = slowest["s_inter"][largest], slowest["inter"][largest]
-    # How many links sharded's g all-reduces spread over, in whole NICs (at least 1, at most g).
+    spread_s, leaders_s = seconds["s_inter"][largest], seconds["inter"][largest]
+    # How many links sharded's g all-reduces spread over, in whole NICs (at least 1, at most g): reported;
+    # the measured s_inter level is what prices sharded.
     nics = min(g, max(1, round(leaders_s / spread_s))) if spread_s > 0 else 1
-    shard_sizes = tuple(s / g for s in sizes)
-    return Model(intra, inter, nics, flat, fit_level(_points(slowest["s_intra"], sizes, g)),
-                 fit_level(_points(slowest["s_inter"], shard_sizes, n)))
+    return Model(intra, inter, nics, flat, fit_level(_points(seconds["s_intra"], sizes, g)),
+                 fit_level(_points(seconds["s_inter"], tuple(s / g for s in sizes), n)))
 
 
 class AutoCommunicator(Communicator):
