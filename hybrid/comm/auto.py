@@ -140,7 +140,8 @@ def measure_levels(groups: CommGroups, device: torch.device | str = "cpu",
       node (``intra``: 2(g-1) steps moving 2(g-1)/g of the bytes), and an
       all-reduce among the n leaders (``inter``: 2(n-1) steps, 2(n-1)/n of
       the bytes);
-    - flat: an all-reduce over all N ranks (``flat``: 2(N-1) steps);
+    - flat: an all-reduce over all ranks (``flat``: a ring of 2(N-1) steps, N = n x g with nodes of the
+      largest size, as the model prices it);
     - sharded (equal nodes): the node's all-to-all with the sum of the
       received shards, then one broadcast per shard (``sharded_intra``, as
       intra), and every local rank's shard all-reduced across nodes at once
