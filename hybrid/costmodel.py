@@ -68,6 +68,11 @@ class Level:
     def from_bandwidth(cls, alpha_us: float, gbit_per_s: float) -> "Level":
         return cls(alpha_us * 1e-6, 8.0 / (gbit_per_s * 1e9))
 
+    @property
+    def gbit_per_s(self) -> float | None:
+        """The bandwidth ``beta`` stands for (None where the fit resolved none: beta 0)."""
+        return 8e-9 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else None
+
 
 @dataclass(frozen=True)
 class Model:

@@ -300,7 +300,7 @@ def describe_auto_calibration(comm: AutoCommunicator) -> str:
         return f"comm=auto: only {comm.candidates[0]} applies to this layout; no calibration"
 
     def level(lv: Any) -> str:
-        rate = f"{8e-9 / lv.beta_s_per_byte:.3g} Gbit/s" if lv.beta_s_per_byte > 0 else "bandwidth unresolved"
+        rate = "bandwidth unresolved" if lv.gbit_per_s is None else f"{lv.gbit_per_s:.3g} Gbit/s"
         return f"alpha {lv.alpha_s * 1e6:.0f} us, {rate}"
 
     levels = "; ".join(f"{name} {level(lv)}" for name in MODEL_LEVELS if (lv := getattr(comm.model, name)) is not None)

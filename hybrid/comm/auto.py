@@ -57,6 +57,7 @@ from hybrid.comm.base import DEFAULT_CHUNK_BYTES, Communicator
 from hybrid.comm.counters import PhaseCounters
 from hybrid.comm.factory import ALGORITHMS, AUTO
 from hybrid.comm.groups import CommGroups
+from hybrid.comm.sharded import ShardedCommunicator
 from hybrid.costmodel import Level, Model, fit_level, predict
 from hybrid.topology import Layout, Topology
 
@@ -161,8 +162,10 @@ def measure_levels(groups: CommGroups, device: torch.device | str = "cpu",
         raise ValueError(f"calibration needs at least two sizes, got {sizes}")
     device = torch.device(device)
     buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=device)
-    local, nnodes, me, members = topo.local_world_size, topo.nnodes, topo.local_rank, topo.node_ranks
+    local, nnodes, me = topo.local_world_size, topo.nnodes, topo.local_rank
     sharded = groups.cross is not None and nnodes > 1 and local > 1
+    # Sharded's intra-node phases are timed through its own methods (no collective happens at construction).
+    sharded_comm = ShardedCommunicator(groups) if sharded else None
     inbox = buf.new_empty(buf.numel() + local) if sharded else buf
     barrier = lambda: dist.barrier(group=groups.world)  # noqa: E731 - so that concurrent phases start together
     timings: dict[str, list[float]] = {k: [0.0] * len(sizes) for k in ("intra", "inter", "flat", "s_intra", "s_inter")}
@@ -182,16 +185,12 @@ def measure_levels(groups: CommGroups, device: torch.device | str = "cpu",
                                          device, repeats)
         timings["flat"][i] = _timed(lambda: [dist.all_reduce(piece, group=groups.world, async_op=True)],
                                     device, repeats, before=barrier)
-        if sharded:
-            received = inbox[: mine.numel() * local]
+        if sharded_comm is not None:
 
             def reduce_scatter_then_gather() -> list[Any]:
-                dist.all_to_all_single(received, piece, output_split_sizes=[mine.numel()] * local,
-                                       input_split_sizes=[s.numel() for s in shards], group=groups.intra,
-                                       async_op=True).wait()
-                torch.sum(received.view(local, -1), dim=0, out=mine)
-                return [dist.broadcast(s, src=members[j], group=groups.intra, async_op=True)
-                        for j, s in enumerate(shards) if s.numel()]
+                sharded_comm.start_scatter(piece, shards, inbox).wait()
+                sharded_comm.add_up(shards, inbox)
+                return sharded_comm.start_gather(shards)
 
             timings["s_intra"][i] = _timed(reduce_scatter_then_gather, device, repeats)
             timings["s_inter"][i] = _timed(lambda: [dist.all_reduce(mine, group=groups.cross, async_op=True)],
@@ -310,8 +309,7 @@ class AutoCommunicator(Communicator):
     def report(self) -> dict[str, Any]:
         """The calibration and every decision so far, JSON-ready (metrics.json's ``comm_auto``)."""
         model = None if self.model is None else {
-            level: {"alpha_s": lv.alpha_s, "beta_s_per_byte": lv.beta_s_per_byte,
-                    "gbit_per_s": 8e-9 / lv.beta_s_per_byte if lv.beta_s_per_byte > 0 else None}
+            level: {"alpha_s": lv.alpha_s, "beta_s_per_byte": lv.beta_s_per_byte, "gbit_per_s": lv.gbit_per_s}
             for level in MODEL_LEVELS if (lv := getattr(self.model, level)) is not None
         }
         with self._lock:

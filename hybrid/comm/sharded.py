@@ -27,6 +27,7 @@ i-W"; cross: the all-reduces in piece order).
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,10 +52,31 @@ class ShardedCommunicator(Communicator):
                 f"sharded needs nodes of equal size, got node sizes {list(groups.topology.node_sizes)}"
             )
 
+    # The node's two phases, one piece at a time (also what comm=auto times to price them).
+
+    def start_scatter(self, piece: torch.Tensor, shards: tuple[torch.Tensor, ...], inbox: torch.Tensor) -> Any:
+        """Start the reduce-scatter's exchange: shard j of ``piece`` (``shards`` = its split, one per local
+        rank) goes to local rank j, and the g copies of this rank's shard arrive in ``inbox``; returns the Work."""
+        local, mine = self.topology.local_world_size, shards[self.topology.local_rank].numel()
+        return dist.all_to_all_single(inbox[:mine * local], piece, output_split_sizes=[mine] * local,
+                                      input_split_sizes=[s.numel() for s in shards], group=self.groups.intra,
+                                      async_op=True)
+
+    def add_up(self, shards: tuple[torch.Tensor, ...], inbox: torch.Tensor) -> None:
+        """Sum the copies of this rank's shard that :meth:`start_scatter` received, in local-rank order."""
+        local, mine = self.topology.local_world_size, shards[self.topology.local_rank]
+        if mine.numel():
+            torch.sum(inbox[:mine.numel() * local].view(local, -1), dim=0, out=mine)
+
+    def start_gather(self, shards: tuple[torch.Tensor, ...]) -> list[Any]:
+        """Start the all-gather: every non-empty shard broadcast from the local rank that owns it."""
+        members = self.topology.node_ranks
+        return [dist.broadcast(s, src=members[j], group=self.groups.intra, async_op=True)
+                for j, s in enumerate(shards) if s.numel()]
+
     def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable) -> None:
         topo, groups = self.topology, self.groups
         local, nnodes, me, window = topo.local_world_size, topo.nnodes, topo.local_rank, PIPELINE_WINDOW
-        members = topo.node_ranks
         # Each pipeline piece split into one shard per local rank; only non-empty shards travel.
         chunks = self._chunks(flat)
         pieces = [torch.tensor_split(chunk, local) for chunk in chunks]
@@ -69,17 +91,7 @@ class ShardedCommunicator(Communicator):
         def reduce(i: int) -> None:
             """Reduce-scatter piece i: shard j is summed onto local rank j."""
             if local > 1 and i < n:
-                shards = pieces[i]
-                inbox = inboxes[i % window][:shards[me].numel() * local]
-                reduces[i] = [dist.all_to_all_single(
-                    inbox, chunks[i], output_split_sizes=[shards[me].numel()] * local,
-                    input_split_sizes=[s.numel() for s in shards], group=groups.intra, async_op=True)]
-
-        def add_up(i: int) -> None:
-            """Sum the copies of my shard of piece i that reduce(i) received, in local-rank order."""
-            mine = pieces[i][me]
-            if mine.numel():
-                torch.sum(inboxes[i % window][:mine.numel() * local].view(local, -1), dim=0, out=mine)
+                reduces[i] = [self.start_scatter(chunks[i], pieces[i], inboxes[i % window])]
 
         def finish(i: int) -> None:
             """My shard of piece i is summed over all nodes: divide it, all-gather the piece."""
@@ -88,8 +100,7 @@ class ShardedCommunicator(Communicator):
             if divisor is not None and mine.numel() and not divided:
                 self._divide_(mine, divisor)
             if local > 1:
-                broadcasts.extend(dist.broadcast(s, src=members[j], group=groups.intra, async_op=True)
-                                  for j, s in enumerate(pieces[i]) if s.numel())
+                broadcasts.extend(self.start_gather(pieces[i]))
 
         for i in range(window):
             reduce(i)
@@ -97,7 +108,7 @@ class ShardedCommunicator(Communicator):
             if i in reduces:
                 # Waiting for the other shards' reduces too keeps a peer's failure visible here.
                 self._wait("intra_reduce", reduces.pop(i), rooted_bytes(sum(s.nbytes for s in pieces[i]), local))
-                add_up(i)
+                self.add_up(pieces[i], inboxes[i % window])
             reduce(i + window)  # into the inbox piece i has just emptied
             mine = pieces[i][me]
             if mine.numel() and nnodes > 1:
