@@ -22,7 +22,8 @@ PLANS: dict[str, tuple[list[str], dict]] = {
     "1x1": (["collectives", "counters"], {}),
     "1x4": (["collectives", "counters"], {}),
     "2x2": (
-        ["collectives", "counters", "bad_layout", "ddp", "ddp_long", "compression", "auto", "timeout"],
+        ["collectives", "counters", "bad_layout", "ddp", "ddp_long", "overlap", "compression", "auto",
+         "timeout"],
         {"ddp": PARITY, "ddp_long": {**LONG, "comms": ["flat", "hierarchical", "sharded"]},
          "timeout": {"comm_timeout_s": 2.0}},
     ),
@@ -96,10 +97,16 @@ def test_ddp_hook_matches_plain_ddp_and_keeps_replicas_identical(layout):
 
 
 def test_ddp_hook_overlaps_communication_with_backward():
-    """Some bucket is already being reduced while backward still produces the last one."""
+    """An earlier bucket finishes its reduction while backward still produces the last one.
+
+    Backward holds (at most 5 s) before the first layer until a bucket of this
+    step has finished: without overlap none can, and the step records False."""
     for rank_result in job("2x2"):
-        for comm in ("flat", "hierarchical", "sharded"):
-            assert rank_result["ddp_long"][comm]["overlapped_steps"] > 0, comm
+        overlap = rank_result["overlap"]
+        assert sorted(overlap) == ["flat", "hierarchical", "sharded"]
+        for comm, run in overlap.items():
+            assert run["buckets"] >= 4, (comm, run)
+            assert run["seen"] == [True] * 4, (comm, run["seen"])
 
 
 @pytest.mark.parametrize("layout", ["2x2", "4x2"])

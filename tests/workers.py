@@ -223,7 +223,6 @@ def train_ddp(
         state = register_comm_hook(model, comm)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(seed + 1000 * dist.get_rank())
-    overlapped = 0
     for _ in range(steps):
         x = torch.randn(16, width, generator=gen)
         y = torch.randint(0, 4, (16,), generator=gen)
@@ -232,21 +231,11 @@ def train_ddp(
             nn.functional.cross_entropy(model(x[:8]), y[:8]).backward()
         nn.functional.cross_entropy(model(x[8:]), y[8:]).backward()
         opt.step()
-        if state is not None:
-            step = list(state.traces)[-state.buckets_per_step:]
-            last_submit = step[-1].submitted
-            # Overlap: an earlier bucket was already on the wire while backward
-            # was still producing the last one.
-            # Flat issues its all-reduce from the hook itself, so it counts only a
-            # bucket that had already *finished* by then.
-            when = (lambda t: t.finished) if comm_name == "flat" else (lambda t: t.started)
-            if any(when(t) and when(t) < last_submit for t in step[:-1]):
-                overlapped += 1
     buckets = state.buckets_per_step if state else None
     if state is not None:
         state.close()
     params = [p.detach().clone() for p in model.module.parameters()]
-    return {"params": params, "buckets": buckets, "overlapped_steps": overlapped}
+    return {"params": params, "buckets": buckets}
 
 
 def case_ddp(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
@@ -260,7 +249,6 @@ def case_ddp(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]
     for name, run in runs.items():
         result = {
             "buckets": run["buckets"],
-            "overlapped_steps": run["overlapped_steps"],
             "identical_across_ranks": same_on_all_ranks(digest(run["params"])),
         }
         if "ddp" in runs and name != "ddp":
@@ -404,6 +392,79 @@ def case_auto(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any
             "identical_across_ranks": same_on_all_ranks(digest(run["params"]))}
 
 
+class _WaitForAFinishedBucket(torch.autograd.Function):
+    """Identity whose backward waits until some bucket of this backward has finished reducing.
+
+    Placed after the first layer, its backward runs before that layer's
+    gradients exist, so the bucket holding them has not been handed to the hook
+    yet: a communicator that overlaps lets an earlier bucket finish meanwhile; one
+    that defers communication to the end of backward makes it wait out
+    ``timeout_s`` (then it lets backward go on, so a regression fails the test
+    instead of hanging the job)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gate: "_Gate") -> torch.Tensor:
+        ctx.gate = gate
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.gate.wait()
+        return grad, None
+
+
+class _Gate:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.state: Any = None
+        self.since: float | None = None  # set for the backward that syncs; None under no_sync
+        self.seen: list[bool] = []
+
+    def wait(self) -> None:
+        if self.since is None:
+            return
+        deadline = time.perf_counter() + self.timeout_s
+        while time.perf_counter() < deadline:
+            # Copy: DDP appends traces from this thread only, but the comm thread sets .finished.
+            if any(t.finished and t.submitted >= self.since for t in list(self.state.traces)[-64:]):
+                self.seen.append(True)
+                return
+            time.sleep(0.001)
+        self.seen.append(False)
+
+
+class GatedNet(Net):
+    def __init__(self, width: int, depth: int, gate: _Gate) -> None:
+        super().__init__(width, depth)
+        self.gate = gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _WaitForAFinishedBucket.apply(self.body[0](x), self.gate)
+        return self.head(self.body[1:](h))
+
+
+def case_overlap(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
+    """Per comm: in how many synced backwards an earlier bucket finished before the last was produced."""
+    steps, width, depth = params.get("steps", 4), params.get("width", 32), params.get("depth", 8)
+    out: dict[str, Any] = {}
+    for comm_name in params.get("comms", list(ALGORITHMS)):
+        gate = _Gate(params.get("timeout_s", 5.0))
+        torch.manual_seed(0)
+        model = DDP(GatedNet(width, depth, gate), bucket_cap_mb=params.get("bucket_cap_mb", 0.004),
+                    find_unused_parameters=True)
+        gate.state = register_comm_hook(model, make_communicator(comm_name, groups))
+        gen = torch.Generator().manual_seed(1 + dist.get_rank())
+        for _ in range(steps):
+            x = torch.randn(8, width, generator=gen)
+            model.zero_grad(set_to_none=True)
+            gate.since = time.perf_counter()
+            model(x).square().mean().backward()
+            gate.since = None
+        out[comm_name] = {"seen": gate.seen, "buckets": gate.state.buckets_per_step}
+        gate.state.close()
+    return out
+
+
 CASES: dict[str, Callable[[Topology, CommGroups, dict], Any]] = {
     "auto": case_auto,
     "compression": case_compression,
@@ -411,6 +472,7 @@ CASES: dict[str, Callable[[Topology, CommGroups, dict], Any]] = {
     "counters": case_counters,
     "ddp": case_ddp,
     "ddp_long": case_ddp,
+    "overlap": case_overlap,
     "bad_layout": case_bad_layout,
     "timeout": case_timeout,
 }
