@@ -31,9 +31,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hybrid import error_feedback
 from hybrid.checkpoint import checkpoint_steps, load_checkpoint, save_checkpoint
 from hybrid.comm import (MODEL_LEVELS, PHASES, AutoCommunicator, CommGroups, Communicator, PhaseCounters,
-                         group_kinds_for, make_communicator, register_comm_hook)
+                         group_kinds_for, make_communicator, register_comm_hook, settle_buckets)
 from hybrid.config import TrainConfig, resume_target
 from hybrid.data import KIND_OF_MODEL, ArrayDataset, BatchStream, DatasetSpec, check_arrays, ensure_synthetic, load_arrays
 from hybrid.distributed import init_distributed, shutdown_distributed
@@ -122,10 +123,21 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
+def _sample_batch(dataset: ArrayDataset, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dataset's first ``batch_size`` rows: a batch of the right shapes that consumes no stream."""
+    rows = [dataset[i] for i in range(min(batch_size, len(dataset)))]
+    return torch.stack([x for x, _ in rows]).to(device), torch.stack([y for _, y in rows]).to(device)
+
+
 def _broadcast_from_rank0(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def compresses(cfg: TrainConfig) -> bool:
+    """Whether ranks keep error-feedback residuals (the same answer on every rank: it is the config)."""
+    return cfg.comm.inter_compression != "none"
 
 
 def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int, where: Path) -> None:
@@ -149,10 +161,13 @@ def build_training(cfg: TrainConfig, dataset: ArrayDataset, device: torch.device
 
 
 def restore_training(cfg: TrainConfig, run_path: Path, rank: int, world_size: int, metrics: Metrics,
-                     model: nn.Module, optimizer: Any, scheduler: Any, streams: Sequence[BatchStream]) -> int:
+                     model: nn.Module, optimizer: Any, scheduler: Any, streams: Sequence[BatchStream],
+                     residuals: dict[str, Any] | None = None) -> tuple[int, dict[str, Any] | None]:
     """Load ``trainer.resume``'s checkpoint (or, after an elastic restart, this run's last one) into these
-    objects; return the step to start at (0: a fresh run). Collective over the default group."""
-    start_step = 0
+    objects; return the step to start at (0: a fresh run) and this rank's error-feedback residuals where
+    the checkpoint has them for a run of signature ``residuals`` (see :mod:`hybrid.error_feedback`;
+    None: this run does not compress). Collective over the default group."""
+    start_step, mine = 0, None
     source = resume_target(cfg.trainer.resume, run_path)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
@@ -163,7 +178,10 @@ def restore_training(cfg: TrainConfig, run_path: Path, rank: int, world_size: in
             source = run_path
             metrics.status(f"restart {restart}: resuming from the last checkpoint in {run_path / 'checkpoints'}")
     if source is not None:
-        state = _broadcast_from_rank0(load_checkpoint(source, log=metrics.status) if rank == 0 else None)
+        state = load_checkpoint(source, log=metrics.status) if rank == 0 else None
+        # Every rank's residuals stay on rank 0 until each gets only its own, below.
+        saved_residuals = state.pop(error_feedback.CHECKPOINT_KEY, None) if state is not None else None
+        state = _broadcast_from_rank0(state)
         _check_resumable(state, cfg, world_size, source)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -172,8 +190,9 @@ def restore_training(cfg: TrainConfig, run_path: Path, rank: int, world_size: in
             stream.restore(state["data"])
         torch.set_rng_state(state["rng"])
         start_step = int(state["step"])
+        mine = error_feedback.restore_residuals(saved_residuals, residuals, metrics.status)
         metrics.status(f"resumed from step {start_step} of {source}")
-    return start_step
+    return start_step, mine
 
 
 class Replicas(Protocol):
@@ -264,8 +283,9 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
     model, optimizer, scheduler = build_training(cfg, dataset, device)
     stream = BatchStream(dataset, cfg.data.batch_size, topology.rank, topology.world_size, cfg.trainer.seed,
                          pin_memory=device.type == "cuda", num_workers=cfg.data.num_workers)
-    start_step = restore_training(cfg, run_path, rank, topology.world_size, metrics, model, optimizer, scheduler,
-                                  [stream])
+    residual_signature = error_feedback.signature(cfg, topology.node_sizes) if compresses(cfg) else None
+    start_step, residuals = restore_training(cfg, run_path, rank, topology.world_size, metrics, model, optimizer,
+                                             scheduler, [stream], residual_signature)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
               **_NO_BUFFER_SYNC)
@@ -281,8 +301,16 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
             if isinstance(comm, AutoCommunicator):
                 metrics.status(describe_auto_calibration(comm))
             hook = register_comm_hook(ddp, comm)
+        feedback = None
+        if residual_signature is not None and comm is not None:
+            feedback = error_feedback.ErrorFeedback(comm.compressors(), residual_signature)
+            if residuals is not None:
+                feedback.load(residuals, device)
+            # Residuals are kept per DDP bucket: the first real step must already see the rebuilt buckets.
+            x, y = _sample_batch(dataset, cfg.data.batch_size, device)
+            settle_buckets(ddp, hook, lambda: _loss(ddp, x, y).backward())
         result = _loop(cfg, RankReplica(ddp, stream, device), optimizer, scheduler, stream, counters, metrics,
-                       run_path, topology, device, start_step, rank, comm)
+                       run_path, topology, device, start_step, rank, comm, feedback)
         finished = True
         return result
     finally:
@@ -342,7 +370,8 @@ def _runs_as(comm: Communicator | None, cfg: TrainConfig) -> str:
 
 def _loop(cfg: TrainConfig, replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: Any, stream: BatchStream,
           counters: PhaseCounters, metrics: Metrics, run_path: Path, topology: Topology,
-          device: torch.device, start_step: int, rank: int, comm: Communicator | None = None) -> dict[str, Any] | None:
+          device: torch.device, start_step: int, rank: int, comm: Communicator | None = None,
+          feedback: error_feedback.ErrorFeedback | None = None) -> dict[str, Any] | None:
     t = cfg.trainer
     accum = t.grad_accum_steps
     samples_per_step = cfg.data.batch_size * accum * topology.world_size
@@ -354,12 +383,15 @@ def _loop(cfg: TrainConfig, replicas: Replicas, optimizer: torch.optim.Optimizer
     auto_logged: set[int] = set()
 
     def checkpoint(step: int) -> None:
+        # Every rank's error-feedback residuals go to rank 0, the one that writes (a collective).
+        residuals = feedback.gather() if feedback is not None else None
         if rank == 0:
             meta = {"model_config": asdict(cfg.model), "world_size": topology.world_size}
+            extra = {error_feedback.CHECKPOINT_KEY: residuals} if residuals is not None else {}
             save_checkpoint(run_path / "checkpoints", {
                 "model": replicas.module.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "step": step, "data": stream.state(),
-                "rng": torch.get_rng_state(), **meta,
+                "rng": torch.get_rng_state(), **meta, **extra,
             }, step, keep=t.keep_checkpoints, meta=meta)
 
     last = t.max_steps if not t.stop_after else min(t.max_steps, start_step + t.stop_after)

@@ -71,3 +71,47 @@ def test_settings_refuse_compression_where_there_is_no_inter_node_phase(algorith
 def test_settings_name_the_allowed_compressions():
     with pytest.raises(ValueError, match=r"comm.inter_compression='int8' is not one of none, bf16, fp16"):
         CommSettings(inter_compression="int8")
+
+
+def test_residuals_move_through_a_state_dict_and_continue_exactly():
+    gen = torch.Generator().manual_seed(1)
+    values = [torch.randn(300, generator=gen) for _ in range(4)]
+    straight, first = InterCompressor("fp16"), InterCompressor("fp16")
+    for v in values[:2]:
+        straight.compress_(v.clone(), key=(0, 300))
+        first.compress_(v.clone(), key=(0, 300))
+    state = first.state_dict()
+    first.compress_(values[2].clone(), key=(0, 300))  # the saved copy does not move with the live residual
+    resumed = InterCompressor("fp16")
+    resumed.load_state_dict(state)
+    for v in values[2:]:
+        assert torch.equal(resumed.compress_(v.clone(), key=(0, 300)), straight.compress_(v.clone(), key=(0, 300)))
+    with pytest.raises(ValueError, match=r"inter_compression='fp16' cannot continue inter_compression='bf16'"):
+        InterCompressor("bf16").load_state_dict(state)
+
+
+def test_residuals_return_to_their_rank_only_into_a_run_of_the_same_signature():
+    import torch.distributed as dist
+
+    from hybrid.error_feedback import ErrorFeedback, restore_residuals
+
+    sig = {"comm": "sharded", "inter_compression": "bf16", "intra_mode": "process", "node_sizes": [1],
+           "bucket_mb": 1.0, "chunk_bytes": 4096}
+    compressor = InterCompressor("bf16")
+    compressor.compress_(torch.full((5,), 1 / 3), key=(0, 5))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        saved = ErrorFeedback({"sharded": compressor}, sig).gather()
+        assert saved["signature"] == sig and len(saved["ranks"]) == 1
+        log: list[str] = []
+        mine = restore_residuals(saved, sig, log.append)
+        assert log == [] and torch.equal(mine["sharded"]["residuals"][(0, 5)], compressor._residuals[(0, 5)])
+        other = {**sig, "bucket_mb": 2.0}
+        assert restore_residuals(saved, other, log.append) is None
+        assert restore_residuals(None, sig, log.append) is None
+        assert restore_residuals(saved, None, log.append) is None  # an uncompressed run: nothing to say
+        assert len(log) == 2
+        assert log[0].startswith("error-feedback residuals start at zero: they were kept by ") and "'bucket_mb': 2.0" in log[0]
+        assert "the checkpoint has none" in log[1]
+    finally:
+        dist.destroy_process_group()

@@ -32,7 +32,10 @@ PLANS = {
                ("first3", {"trainer": {"stop_after": 3}}),
                ("resumed", {"trainer": {"resume": str(ROOT / "thread" / "first3")}}),
                ("from-process", {"trainer": {"resume": str(ROOT / "process" / "first3")}}),
-               ("bf16", {"comm": {"inter_compression": "bf16"}})],
+               ("bf16", {"comm": {"inter_compression": "bf16"}}),
+               ("bf16-first3", {"comm": {"inter_compression": "bf16"}, "trainer": {"stop_after": 3}}),
+               ("bf16-resumed", {"comm": {"inter_compression": "bf16"},
+                                 "trainer": {"resume": str(ROOT / "thread" / "bf16-first3")}})],
 }
 
 
@@ -126,6 +129,16 @@ def test_thread_mode_compresses_the_inter_node_hop_like_hierarchical():
     reference, state = final_state(ROOT / "thread" / "plain")["model"], final_state(ROOT / "thread" / "bf16")["model"]
     gap = max((state[k] - v).abs().max().item() for k, v in reference.items())
     assert 0 < gap < 1e-3, gap  # 16-bit rounding with error feedback, not another run
+
+
+def test_thread_mode_resumes_a_compressed_run_exactly_with_its_nodes_residuals():
+    results = job("thread")[0]
+    assert results["bf16-resumed"]["steps_run"] == 2
+    straight, resumed = final_state(ROOT / "thread" / "bf16"), final_state(ROOT / "thread" / "bf16-resumed")
+    for key in straight["model"]:
+        assert torch.equal(resumed["model"][key], straight["model"][key]), key
+    saved = final_state(ROOT / "thread" / "bf16-first3")["error_feedback"]
+    assert len(saved["ranks"]) == 2 and all(r["hierarchical (intra_mode=thread)"]["residuals"] for r in saved["ranks"])
 
 
 def test_replica_topology_numbers_replicas_as_process_mode_ranks():

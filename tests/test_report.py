@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from dataclasses import asdict
 
 from omegaconf import OmegaConf
 

@@ -41,6 +41,10 @@ PLANS = {
         ("accum", {"comm": {"algorithm": "hierarchical"}, "trainer": {"grad_accum_steps": 2}}),
         ("hierarchical+bf16", {"comm": {"algorithm": "hierarchical", "inter_compression": "bf16"}}),
         ("sharded+fp16", {"comm": {"algorithm": "sharded", "inter_compression": "fp16"}}),
+        ("sharded+fp16-resumed", {"comm": {"algorithm": "sharded", "inter_compression": "fp16"},
+                                  "trainer": {"stop_after": 10}}),
+        ("sharded+fp16-resumed", {"comm": {"algorithm": "sharded", "inter_compression": "fp16"},
+                                  "trainer": {"resume": True}}),
         ("auto", {"comm": {"algorithm": "auto"}}),
     ],
     "4x2": [(c, {"comm": {"algorithm": c}}) for c in COMMS],
@@ -123,6 +127,20 @@ def test_twenty_steps_plus_resume_equals_forty_straight_bitwise():
         assert torch.equal(s1["momentum_buffer"], s2["momentum_buffer"])
     assert results["resumed"]["steps_run"] == 20 and results["straight"]["steps_run"] == 40
     assert results["resumed"]["param_checksum"] == results["straight"]["param_checksum"]
+
+
+def test_a_compressed_run_resumes_bitwise_with_every_ranks_error_feedback():
+    """Each rank's residuals (what 16-bit rounding dropped) travel in the checkpoint and come back to the
+    rank that kept them: 10 steps + resume end bit-identical to 20 straight, which they cannot if any
+    rank restarts its residuals at zero or gets another rank's."""
+    root, results = job("2x2")
+    straight = torch.load(root / "sharded+fp16" / "checkpoints" / "last.pt", weights_only=True)
+    resumed = torch.load(root / "sharded+fp16-resumed" / "checkpoints" / "last.pt", weights_only=True)
+    assert straight["step"] == resumed["step"] == 20 and results["sharded+fp16-resumed"]["steps_run"] == 10
+    for key in straight["model"]:
+        assert torch.equal(straight["model"][key], resumed["model"][key]), key
+    per_rank = resumed["error_feedback"]["ranks"]
+    assert len(per_rank) == 4 and all(r["sharded"]["residuals"] for r in per_rank)  # every worker sends a shard
 
 
 def test_gradient_accumulation_syncs_only_on_the_final_micro_step():

@@ -15,7 +15,7 @@ from hybrid.comm.auto import MODEL_LEVELS, AutoCommunicator, Decision, auto_grou
 from hybrid.comm.base import LOW_PRECISION, SUPPORTED_DTYPES, CommError, Communicator
 from hybrid.comm.compression import INTER_COMPRESSIONS, InterCompressor
 from hybrid.comm.counters import PHASES, PhaseCounters, PhaseStats
-from hybrid.comm.ddp_hook import CommHookState, register_comm_hook
+from hybrid.comm.ddp_hook import CommHookState, register_comm_hook, settle_buckets
 from hybrid.comm.factory import ALGORITHMS, CHOOSABLE, group_kinds_for, make_communicator
 from hybrid.comm.flat import FlatCommunicator
 from hybrid.comm.groups import BACKENDS, GROUP_KINDS, CommGroups
@@ -52,4 +52,5 @@ __all__ = [
     "make_communicator",
     "measure_levels",
     "register_comm_hook",
+    "settle_buckets",
 ]

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.comm.base import DEFAULT_CHUNK_BYTES, Communicator
+from hybrid.comm.compression import InterCompressor
 from hybrid.comm.counters import PhaseCounters
 from hybrid.comm.factory import ALGORITHMS, AUTO
 from hybrid.comm.groups import CommGroups
@@ -294,6 +295,9 @@ class AutoCommunicator(Communicator):
             wire = 2 / torch.empty(0, dtype=dtype).element_size()
             model = replace(model, inter=_cheaper(model.inter, wire), sharded_inter=_cheaper(model.sharded_inter, wire))
         return predict(model, name, self.layout, nbytes, chunk_bytes=self.chunk_bytes)["total"]
+
+    def compressors(self) -> dict[str, InterCompressor]:
+        return {name: c for member in self.members.values() for name, c in member.compressors().items()}
 
     def member_for(self, tensor: torch.Tensor) -> Communicator:
         return self.members[self.decide(tensor.nbytes, tensor.dtype).chosen]

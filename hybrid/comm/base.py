@@ -91,6 +91,11 @@ class Communicator(ABC):
         self.chunk_bytes = chunk_bytes
         self.compressor = InterCompressor(inter_compression)
 
+    def compressors(self) -> dict[str, InterCompressor]:
+        """The inter-node compressors whose error-feedback residuals this rank keeps, by algorithm name
+        (empty without ``inter_compression``): what a checkpoint must carry for an exact resume."""
+        return {self.name: self.compressor} if self.compressor.wire_dtype is not None else {}
+
     def _chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Pipeline pieces of ``flat`` (views), each at most ``chunk_bytes`` long."""
         per_chunk = max(1, self.chunk_bytes // flat.element_size())

@@ -18,6 +18,7 @@ worker.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Any
 
 import torch
 
@@ -48,9 +49,11 @@ class InterCompressor:
         ``key`` names the same slice of the gradient from step to step (the
         DDP bucket, its size and the pipeline piece); a key seen with another
         shape starts over from a zero residual. DDP rebuilds its buckets once,
-        after the first step: a rebuilt bucket of the same index and size
-        inherits the old residual once, a misplaced correction of at most half
-        a 16-bit unit per element, after which the keys are stable.
+        after its first synchronised backward; the trainer has it do so before
+        the first step (:func:`hybrid.comm.settle_buckets`), so the keys are
+        stable from then on. (Without that, a rebuilt bucket of the same index
+        and size would inherit the old residual once, a misplaced correction
+        of at most half a 16-bit unit per element.)
         """
         residual = self._residuals.get(key)
         if residual is None or residual.shape != value.shape or residual.dtype != value.dtype \
@@ -64,6 +67,18 @@ class InterCompressor:
         # the step), but the residual must not carry the inf or NaN into every later step.
         torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
         return wire
+
+    def state_dict(self) -> dict[str, Any]:
+        """The residuals, copied to the CPU (what a checkpoint keeps so a resumed run continues exactly)."""
+        return {"kind": self.kind,
+                "residuals": {key: r.detach().to("cpu", copy=True) for key, r in self._residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | str = "cpu") -> None:
+        """Take over :meth:`state_dict`'s residuals onto ``device``; they must come from the same ``kind``."""
+        if state.get("kind") != self.kind:
+            raise ValueError(f"error-feedback residuals of inter_compression={state.get('kind')!r} cannot "
+                             f"continue inter_compression={self.kind!r}")
+        self._residuals = {key: r.to(device) for key, r in state["residuals"].items()}
 
     def residual_bytes(self) -> int:
         """Memory the residuals hold (what error feedback costs this rank)."""

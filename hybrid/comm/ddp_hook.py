@@ -39,6 +39,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hybrid.comm.base import Communicator
 
-__all__ = ["BucketTrace", "CommHookState", "register_comm_hook"]
+__all__ = ["BucketTrace", "CommHookState", "register_comm_hook", "settle_buckets"]
 
 
 @dataclass
@@ -80,6 +81,7 @@ class CommHookState:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._closed = False
+        self._passthrough = False  # settle_buckets: hand buckets back untouched, no collectives
         rank = communicator.topology.rank
         self._thread = threading.Thread(target=self._serve, name=f"hybrid-comm-{rank}", daemon=True)
         self._thread.start()
@@ -90,6 +92,10 @@ class CommHookState:
         """Queue ``tensor`` for averaging; the returned Future completes with it."""
         if self._closed:
             raise RuntimeError("CommHookState is closed: register a new hook to keep training")
+        if self._passthrough:
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(tensor)
+            return done
         event = None
         if tensor.is_cuda:
             # The bucket was filled on the backward stream: the comm thread
@@ -170,3 +176,36 @@ def register_comm_hook(model: DistributedDataParallel, communicator: Communicato
     state = CommHookState(communicator)
     model.register_comm_hook(state, _hybrid_comm_hook)
     return state
+
+
+def settle_buckets(ddp: DistributedDataParallel, state: CommHookState, backward: Callable[[], None]) -> None:
+    """Let DDP rebuild its buckets before the first real step, so every step sees the same buckets.
+
+    DDP reduces its first synchronised backward in one bucket (or its initial
+    assignment), then rebuilds the buckets in the order gradients became ready.
+    State a communicator keeps per bucket (error-feedback residuals, auto's
+    choice per size) would otherwise see one set of buckets on a run's first
+    step and another after, and a run resumed from a checkpoint would start
+    over with the first set: it could not continue the uninterrupted run
+    exactly. ``backward`` runs one forward and backward (any batch of the
+    training data); the hook hands every bucket back without communicating,
+    and afterwards the gradients are zeroed and the module's buffers and the
+    random number generators are as they were. The rebuild itself happens in
+    the next forward (DDP broadcasts the new assignment from rank 0 there).
+    Collective only through that rebuild; every rank must call it.
+    """
+    module = ddp.module
+    buffers = [b.detach().clone() for b in module.buffers()]
+    devices = sorted({p.device.index for p in module.parameters() if p.device.type == "cuda"})
+    state._passthrough = True
+    try:
+        with torch.random.fork_rng(devices=devices):
+            backward()
+    finally:
+        state._passthrough = False
+    with torch.no_grad():
+        for b, saved in zip(module.buffers(), buffers):
+            b.copy_(saved)
+        for p in module.parameters():
+            if p.grad is not None:
+                p.grad.zero_()

@@ -1,0 +1,91 @@
+"""Carry every rank's error-feedback residuals through a checkpoint, so a compressed run resumes exactly.
+
+With ``comm.inter_compression`` each rank that sends across nodes keeps what
+16-bit rounding dropped (see :mod:`hybrid.comm.compression`): a hierarchical
+leader for the whole gradient, each sharded worker for its shard. That state
+is per rank, while rank 0 alone writes checkpoints (other nodes need not
+share its disk). So at a checkpoint every rank sends its residuals to rank 0
+(one ``gather_object`` over the default group), which stores them by rank;
+on resume rank 0 hands each rank its own back (``scatter_object_list``).
+
+Residuals are keyed by DDP bucket and pipeline piece, which depend on the
+algorithm, the node layout, the bucket and chunk sizes and the intra mode;
+they are restored only where all of these match (the :func:`signature`),
+and otherwise start at zero, as in a fresh run, with a status line saying
+why. Bucket keys are stable because the trainer lets DDP rebuild its buckets
+before the first step (:func:`hybrid.comm.settle_buckets`); restored, a
+resumed run ends bit-identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hybrid.comm.compression import InterCompressor
+from hybrid.config import TrainConfig
+
+__all__ = ["ErrorFeedback", "restore_residuals", "signature"]
+
+CHECKPOINT_KEY = "error_feedback"
+
+
+def signature(cfg: TrainConfig, node_sizes: Sequence[int]) -> dict[str, Any]:
+    """What the residuals' keys and owners depend on: equal signatures mean they apply as saved."""
+    return {"comm": cfg.comm.algorithm, "inter_compression": cfg.comm.inter_compression,
+            "intra_mode": cfg.cluster.intra_mode, "node_sizes": list(node_sizes),
+            "bucket_mb": cfg.comm.bucket_mb, "chunk_bytes": cfg.comm.chunk_bytes}
+
+
+@dataclass
+class ErrorFeedback:
+    """This rank's compressors (by algorithm name) and the run's :func:`signature`."""
+
+    compressors: dict[str, InterCompressor]
+    signature: dict[str, Any]
+
+    def gather(self) -> dict[str, Any] | None:
+        """Every rank's residuals, on rank 0 (None elsewhere). Collective over the default group."""
+        mine = {name: c.state_dict() for name, c in self.compressors.items()}
+        ranks: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, ranks, dst=0)
+        return {"signature": self.signature, "ranks": ranks} if ranks is not None else None
+
+    def load(self, mine: dict[str, Any], device: torch.device) -> None:
+        """Take over this rank's part of a checkpoint (from :func:`restore_residuals`)."""
+        for name, state in mine.items():
+            if name in self.compressors:
+                self.compressors[name].load_state_dict(state, device)
+
+
+def _verdict(saved: dict[str, Any] | None, wanted: dict[str, Any] | None) -> str | None:
+    """Why the saved residuals cannot be restored into this run (None: they can)."""
+    if wanted is None:
+        return "this run does not compress" if saved is not None else "nothing to restore"
+    if saved is None:
+        return "the checkpoint has none (written without inter_compression, or by an older version)"
+    if saved["signature"] != wanted:
+        return f"they were kept by {saved['signature']}, this run is {wanted}"
+    if len(saved["ranks"]) != dist.get_world_size():
+        return f"they come from {len(saved['ranks'])} processes, this run has {dist.get_world_size()}"
+    return None
+
+
+def restore_residuals(saved: dict[str, Any] | None, wanted: dict[str, Any] | None,
+                      log: Callable[[str], None]) -> dict[str, Any] | None:
+    """This rank's residuals out of the checkpoint part ``saved`` (significant on rank 0 only), or None
+    where they do not apply to a run of signature ``wanted`` (None: the run does not compress).
+    Collective over the default group."""
+    box = [_verdict(saved, wanted) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    why = box[0]
+    if why is not None:
+        if wanted is not None:
+            log(f"error-feedback residuals start at zero: {why}")
+        return None
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, saved["ranks"] if dist.get_rank() == 0 else None, src=0)
+    return out[0]
