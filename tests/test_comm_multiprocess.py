@@ -99,7 +99,7 @@ def test_ddp_hook_matches_plain_ddp_and_keeps_replicas_identical(layout):
 def test_ddp_hook_overlaps_communication_with_backward():
     """An earlier bucket finishes its reduction while backward still produces the last one.
 
-    Backward holds (at most 5 s) before the first layer until a bucket of this
+    Backward holds (at most 30 s, once) before the first layer until a bucket of this
     step has finished: without overlap none can, and the step records False."""
     for rank_result in job("2x2"):
         overlap = rank_result["overlap"]

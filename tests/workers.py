@@ -399,8 +399,8 @@ class _WaitForAFinishedBucket(torch.autograd.Function):
     gradients exist, so the bucket holding them has not been handed to the hook
     yet: a communicator that overlaps lets an earlier bucket finish meanwhile; one
     that defers communication to the end of backward makes it wait out
-    ``timeout_s`` (then it lets backward go on, so a regression fails the test
-    instead of hanging the job)."""
+    ``timeout_s`` (then it lets backward go on, and later steps do not wait, so a
+    regression fails the test instead of hanging the job)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, gate: "_Gate") -> torch.Tensor:
@@ -422,6 +422,9 @@ class _Gate:
 
     def wait(self) -> None:
         if self.since is None:
+            return
+        if False in self.seen:  # one miss fails the test: later steps need not wait it out again
+            self.seen.append(False)
             return
         deadline = time.perf_counter() + self.timeout_s
         while time.perf_counter() < deadline:
@@ -448,7 +451,7 @@ def case_overlap(topo: Topology, groups: CommGroups, params: dict) -> dict[str, 
     steps, width, depth = params.get("steps", 4), params.get("width", 32), params.get("depth", 8)
     out: dict[str, Any] = {}
     for comm_name in params.get("comms", list(ALGORITHMS)):
-        gate = _Gate(params.get("timeout_s", 5.0))
+        gate = _Gate(params.get("timeout_s", 30.0))  # generous: it returns as soon as a bucket is done
         torch.manual_seed(0)
         model = DDP(GatedNet(width, depth, gate), bucket_cap_mb=params.get("bucket_cap_mb", 0.004),
                     find_unused_parameters=True)
