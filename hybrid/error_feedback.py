@@ -5,8 +5,10 @@ With ``comm.inter_compression`` each rank that sends across nodes keeps what
 leader for the whole gradient, each sharded worker for its shard. That state
 is per rank, while rank 0 alone writes checkpoints (other nodes need not
 share its disk). So at a checkpoint every rank sends its residuals to rank 0
-(one ``gather_object`` over the default group), which stores them by rank;
-on resume rank 0 hands each rank its own back (``scatter_object_list``).
+(point to point over the default group, each message as long as what that
+rank holds), which stores them by rank; on resume rank 0 sends each rank its
+own back. A compressed run's checkpoint is therefore larger by one fp32 copy
+of the gradient per node (the leader's, or the node's shards together).
 
 Residuals are keyed by DDP bucket and pipeline piece, which depend on the
 algorithm, the node layout, the bucket and chunk sizes and the intra mode;
@@ -14,11 +16,14 @@ they are restored only where all of these match (the :func:`signature`),
 and otherwise start at zero, as in a fresh run, with a status line saying
 why. Bucket keys are stable because the trainer lets DDP rebuild its buckets
 before the first step (:func:`hybrid.comm.settle_buckets`); restored, a
-resumed run ends bit-identical to an uninterrupted one.
+resumed run ends bit-identical to an uninterrupted one (with ``comm=auto``,
+where its fresh calibration chooses the same algorithm per bucket size again:
+each algorithm keeps its own residuals).
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -49,9 +54,7 @@ class ErrorFeedback:
 
     def gather(self) -> dict[str, Any] | None:
         """Every rank's residuals, on rank 0 (None elsewhere). Collective over the default group."""
-        mine = {name: c.state_dict() for name, c in self.compressors.items()}
-        ranks: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, ranks, dst=0)
+        ranks = _gather_to_rank0({name: c.state_dict() for name, c in self.compressors.items()})
         return {"signature": self.signature, "ranks": ranks} if ranks is not None else None
 
     def load(self, mine: dict[str, Any], device: torch.device) -> None:
@@ -86,6 +89,48 @@ def restore_residuals(saved: dict[str, Any] | None, wanted: dict[str, Any] | Non
         if wanted is not None:
             log(f"error-feedback residuals start at zero: {why}")
         return None
-    out: list[Any] = [None]
-    dist.scatter_object_list(out, saved["ranks"] if dist.get_rank() == 0 else None, src=0)
-    return out[0]
+    return _scatter_from_rank0(saved["ranks"] if dist.get_rank() == 0 else None)
+
+
+# Rank to rank as torch.save bytes (read back with weights_only=True), each of its own length: under
+# hierarchical only the leaders hold residuals (a whole gradient each), and gather_object /
+# scatter_object_list would pad every rank's message to the largest one.
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _from_bytes(data: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+
+def _gather_to_rank0(obj: Any) -> list[Any] | None:
+    data = _to_bytes(obj)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.tensor([data.numel()]), sizes, dst=0)
+    if rank != 0:
+        dist.send(data, dst=0)
+        return None
+    out = [obj]
+    for src in range(1, world):
+        buf = torch.empty(int(sizes[src]), dtype=torch.uint8)
+        dist.recv(buf, src=src)
+        out.append(_from_bytes(buf))
+    return out
+
+
+def _scatter_from_rank0(objs: list[Any] | None) -> Any:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    datas = [_to_bytes(o) for o in objs] if objs is not None else []
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.scatter(size, [torch.tensor([d.numel()]) for d in datas] if rank == 0 else None, src=0)
+    if rank == 0:
+        for dst in range(1, world):
+            dist.send(datas[dst], dst=dst)
+        return objs[0]
+    buf = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(buf, src=0)
+    return _from_bytes(buf)

@@ -162,10 +162,10 @@ def build_training(cfg: TrainConfig, dataset: ArrayDataset, device: torch.device
 
 def restore_training(cfg: TrainConfig, run_path: Path, rank: int, world_size: int, metrics: Metrics,
                      model: nn.Module, optimizer: Any, scheduler: Any, streams: Sequence[BatchStream],
-                     residuals: dict[str, Any] | None = None) -> tuple[int, dict[str, Any] | None]:
+                     residual_signature: dict[str, Any] | None = None) -> tuple[int, dict[str, Any] | None]:
     """Load ``trainer.resume``'s checkpoint (or, after an elastic restart, this run's last one) into these
     objects; return the step to start at (0: a fresh run) and this rank's error-feedback residuals where
-    the checkpoint has them for a run of signature ``residuals`` (see :mod:`hybrid.error_feedback`;
+    the checkpoint has them for a run of signature ``residual_signature`` (see :mod:`hybrid.error_feedback`;
     None: this run does not compress). Collective over the default group."""
     start_step, mine = 0, None
     source = resume_target(cfg.trainer.resume, run_path)
@@ -190,7 +190,7 @@ def restore_training(cfg: TrainConfig, run_path: Path, rank: int, world_size: in
             stream.restore(state["data"])
         torch.set_rng_state(state["rng"])
         start_step = int(state["step"])
-        mine = error_feedback.restore_residuals(saved_residuals, residuals, metrics.status)
+        mine = error_feedback.restore_residuals(saved_residuals, residual_signature, metrics.status)
         metrics.status(f"resumed from step {start_step} of {source}")
     return start_step, mine
 
@@ -386,6 +386,9 @@ def _loop(cfg: TrainConfig, replicas: Replicas, optimizer: torch.optim.Optimizer
         # Every rank's error-feedback residuals go to rank 0, the one that writes (a collective).
         residuals = feedback.gather() if feedback is not None else None
         if rank == 0:
+            if feedback is not None and residuals is None:  # the writer must be the default group's rank 0
+                raise RuntimeError(f"rank {rank} writes checkpoints but is rank {dist.get_rank()} of the "
+                                   "default group, where the error-feedback residuals were gathered")
             meta = {"model_config": asdict(cfg.model), "world_size": topology.world_size}
             extra = {error_feedback.CHECKPOINT_KEY: residuals} if residuals is not None else {}
             save_checkpoint(run_path / "checkpoints", {

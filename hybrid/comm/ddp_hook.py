@@ -34,12 +34,13 @@ step against plain DDP.
 
 # No `from __future__ import annotations` here: DDP checks the hook's
 # annotations against the real objects (dist.GradBucket, Future[Tensor]).
+import contextlib
 import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -123,6 +124,15 @@ class CommHookState:
         self._queue.put(_Job(tensor, future, event, trace))
         return future
 
+    @contextlib.contextmanager
+    def passthrough(self) -> Iterator[None]:
+        """Inside: buckets are handed back untouched and nothing is communicated (see :func:`settle_buckets`)."""
+        self._passthrough = True
+        try:
+            yield
+        finally:
+            self._passthrough = False
+
     def _serve(self) -> None:
         stream = None
         while True:
@@ -189,23 +199,24 @@ def settle_buckets(ddp: DistributedDataParallel, state: CommHookState, backward:
     over with the first set: it could not continue the uninterrupted run
     exactly. ``backward`` runs one forward and backward (any batch of the
     training data); the hook hands every bucket back without communicating,
-    and afterwards the gradients are zeroed and the module's buffers and the
-    random number generators are as they were. The rebuild itself happens in
+    and afterwards the gradients are as before any backward (zeros where they
+    are views into DDP's buckets), and the module's buffers and the random
+    number generators are as they were. The rebuild itself happens in
     the next forward (DDP broadcasts the new assignment from rank 0 there).
     Collective only through that rebuild; every rank must call it.
     """
     module = ddp.module
     buffers = [b.detach().clone() for b in module.buffers()]
     devices = sorted({p.device.index for p in module.parameters() if p.device.type == "cuda"})
-    state._passthrough = True
-    try:
-        with torch.random.fork_rng(devices=devices):
-            backward()
-    finally:
-        state._passthrough = False
+    with state.passthrough(), torch.random.fork_rng(devices=devices):
+        backward()
     with torch.no_grad():
         for b, saved in zip(module.buffers(), buffers):
             b.copy_(saved)
         for p in module.parameters():
-            if p.grad is not None:
-                p.grad.zero_()
+            if p.grad is None:
+                continue
+            if ddp.gradient_as_bucket_view:
+                p.grad.zero_()  # a view into DDP's bucket: keep it one
+            else:
+                p.grad = None  # as before any backward
