@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import train_workers
+from once import once
 from hybrid.config import TrainConfig, validate
 from hybrid.node_parallel import replica_topology
 from hybrid.topology import Topology
@@ -62,7 +62,7 @@ def hybrid_train(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedP
                           timeout=timeout)
 
 
-@functools.cache
+@once
 def job(mode: str) -> list[dict]:
     """Every plan of ``mode`` in one launch (workers start once), through the launcher ``python -m hybrid.train``
     uses (one process per node in thread mode); the results of every rank."""

@@ -53,6 +53,16 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def all_gone(pids: list[int], within_s: float = 10.0) -> bool:
+    """Whether every process in ``pids`` has exited, allowing ``within_s`` for ones already killed to go."""
+    deadline = time.monotonic() + within_s
+    while any(running(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -218,12 +228,12 @@ def test_a_killed_worker_stops_the_whole_job_with_its_rank_named(tmp_path):
     assert re.search(rf"rank\s*:\s*\d \(local_rank: \d\)\s+exitcode\s*:\s*-9 \(pid: {victim}\)", cause), output[-3000:]
     assert "SIGKILL" in cause
     assert elapsed < 20 + 30  # comm.timeout_s plus a few seconds at most
-    assert not [p for p in everyone if running(p)]  # no agent or worker left behind
+    assert all_gone(everyone)  # no agent or worker left behind
 
 
 @pytest.mark.skipif(TESTBED is not None, reason=f"testbed unavailable: {TESTBED}")
 def test_a_node_whose_link_goes_down_fails_the_job_within_the_timeout(tmp_path):
-    timeout_s = 6
+    timeout_s = 15  # also start-up's limit (store, groups): leave a loaded machine room
     job = Job(tmp_path, *SLOW, "trainer.max_steps=100000", f"comm.timeout_s={timeout_s}", "comm=hierarchical",
               "cluster.nnodes=2", "cluster.nproc_per_node=1", "cluster.testbed.enabled=true",
               "cluster.testbed.link_mbit=1000")
@@ -236,7 +246,7 @@ def test_a_node_whose_link_goes_down_fails_the_job_within_the_timeout(tmp_path):
     # Rank 0 (node 0) waits on rank 1 until its collective times out, and says where it was.
     assert re.search(r"failed on rank 0 \(node 0.*after \d+\.\ds", output), output[-3000:]
     assert elapsed < timeout_s + 45
-    assert not [p for p in everyone if running(p)]
+    assert all_gone(everyone)
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"hybrid-{job.proc.pid}-" not in netns  # the testbed is gone too
 
@@ -247,11 +257,13 @@ def test_elastic_restart_resumes_and_ends_where_an_uninterrupted_run_ends(tmp_pa
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert clean.returncode == 0, clean.stderr[-2000:]
     job = Job(tmp_path, *common, "cluster.max_restarts=1", f"hydra.run.dir={tmp_path / 'faulty'}")
-    job.wait_for(r"step 12/")
+    job.wait_for(r"step 7/")
     os.kill(workers(job.proc.pid)[-1], signal.SIGKILL)
     code, output, _ = job.finish(timeout=300)
     assert code == 0, output[-3000:]
-    assert "restart 1: resuming" in output and re.search(r"resumed from step (10|15)", output)
+    # From step 5's checkpoint, or a later one where the kill landed late (a loaded machine).
+    resumed = re.search(r"resumed from step (\d+)", output)
+    assert "restart 1: resuming" in output and resumed and int(resumed.group(1)) in (5, 10, 15, 20, 25), output[-3000:]
     want = json.loads((tmp_path / "clean" / "metrics.json").read_text())
     got = json.loads((tmp_path / "faulty" / "metrics.json").read_text())
     assert got["steps"] == want["steps"] == 28

@@ -55,7 +55,7 @@ def test_bench_counts_the_bytes_crossing_each_nic_and_the_link_caps_utilisation(
     size, link_mbit = 2 * 2**20, 200
     out = subprocess.run(
         [sys.executable, "-m", "hybrid.bench", "--layout", "2x2", "--sizes", "2M", "--algorithms",
-         "sharded-inter,flat,hierarchical+bf16,sharded+bf16", "--iters", "2", "--warmup", "1", "--testbed-mbit", str(link_mbit),
+         "sharded-inter,flat,hierarchical+bf16,sharded+bf16", "--iters", "3", "--warmup", "1", "--testbed-mbit", str(link_mbit),
          "--output", str(tmp_path / "b.json")],
         capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
