@@ -306,9 +306,10 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
             feedback = error_feedback.ErrorFeedback(comm.compressors(), residual_signature)
             if residuals is not None:
                 feedback.load(residuals, device)
-            # Residuals are kept per DDP bucket: the first real step must already see the rebuilt buckets.
-            x, y = _sample_batch(dataset, cfg.data.batch_size, device)
-            settle_buckets(ddp, hook, lambda: _loss(ddp, x, y).backward())
+        # The first real step already sees DDP's rebuilt buckets, as every later one does: a resumed run
+        # then sums each element in the order the uninterrupted run did, and residuals keyed by bucket apply.
+        x, y = _sample_batch(dataset, cfg.data.batch_size, device)
+        settle_buckets(ddp, hook, lambda: _loss(ddp, x, y).backward())
         result = _loop(cfg, RankReplica(ddp, stream, device), optimizer, scheduler, stream, counters, metrics,
                        run_path, topology, device, start_step, rank, comm, feedback)
         finished = True

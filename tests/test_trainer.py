@@ -50,7 +50,10 @@ PLANS = {
         ("sharded+fp16-resumed", {"comm": SHARDED_FP16, "trainer": {"resume": True}}),
         ("auto", {"comm": {"algorithm": "auto"}}),
     ],
-    "4x2": [(c, {"comm": {"algorithm": c}}) for c in COMMS],
+    "4x2": [(c, {"comm": {"algorithm": c}}) for c in COMMS] + [
+        (f"{c}-resumed", {"comm": {"algorithm": c}, "trainer": {"stop_after": 10, **resume}})
+        for c in ("ddp", "sharded") for resume in ({}, {"resume": True})
+    ],
 }
 
 
@@ -147,6 +150,19 @@ def test_a_compressed_run_resumes_bitwise_with_every_ranks_error_feedback(name, 
     per_rank = resumed["error_feedback"]["ranks"]
     algorithm = name.split("+")[0]
     assert len(per_rank) == 4 and sum(bool(r[algorithm]["residuals"]) for r in per_rank) == holders
+
+
+@pytest.mark.parametrize("comm", ["ddp", "sharded"])
+def test_resume_on_four_nodes_is_bitwise_too(comm):
+    """Rings of four leaders (or eight ranks) sum each element in an order that depends on its place in
+    the bucket: only with the rebuilt buckets on the resumed run's first step, as the uninterrupted run
+    has them, do 10 + 10 steps end on 20 straight's bits (DDP's own all-reduce and our hook alike)."""
+    root, results = job("4x2")
+    straight = torch.load(root / comm / "checkpoints" / "last.pt", weights_only=True)
+    resumed = torch.load(root / f"{comm}-resumed" / "checkpoints" / "last.pt", weights_only=True)
+    assert straight["step"] == resumed["step"] == 20 and results[f"{comm}-resumed"]["steps_run"] == 10
+    for key in straight["model"]:
+        assert torch.equal(straight["model"][key], resumed["model"][key]), key
 
 
 def test_gradient_accumulation_syncs_only_on_the_final_micro_step():

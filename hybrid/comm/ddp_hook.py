@@ -188,27 +188,30 @@ def register_comm_hook(model: DistributedDataParallel, communicator: Communicato
     return state
 
 
-def settle_buckets(ddp: DistributedDataParallel, state: CommHookState, backward: Callable[[], None]) -> None:
+def settle_buckets(ddp: DistributedDataParallel, state: CommHookState | None, backward: Callable[[], None]) -> None:
     """Let DDP rebuild its buckets before the first real step, so every step sees the same buckets.
 
     DDP reduces its first synchronised backward in one bucket (or its initial
     assignment), then rebuilds the buckets in the order gradients became ready.
-    State a communicator keeps per bucket (error-feedback residuals, auto's
-    choice per size) would otherwise see one set of buckets on a run's first
-    step and another after, and a run resumed from a checkpoint would start
-    over with the first set: it could not continue the uninterrupted run
-    exactly. ``backward`` runs one forward and backward (any batch of the
-    training data); the hook hands every bucket back without communicating,
-    and afterwards the gradients are as before any backward (zeros where they
-    are views into DDP's buckets), and the module's buffers and the random
-    number generators are as they were. The rebuild itself happens in
-    the next forward (DDP broadcasts the new assignment from rank 0 there).
-    Collective only through that rebuild; every rank must call it.
+    A run resumed from a checkpoint would start over with that first set while
+    the uninterrupted run has the rebuilt one; where a bucket's elements are
+    summed in an order that depends on the bucket (a ring over more than two
+    ranks) or per-bucket state is kept (error-feedback residuals), it could
+    not continue the uninterrupted run exactly. ``backward`` runs one forward
+    and backward (any batch of the training data); with our hook (``state``)
+    every bucket is handed back without communicating, with DDP's own
+    all-reduce (``state=None``) it is averaged and thrown away. Afterwards the
+    gradients are as before any backward (zeros where they are views into
+    DDP's buckets), and the module's buffers and the random number
+    generators are as they were. The rebuild itself happens in the next
+    forward (DDP broadcasts the new assignment from rank 0 there).
+    Collective; every rank must call it.
     """
     module = ddp.module
     buffers = [b.detach().clone() for b in module.buffers()]
     devices = sorted({p.device.index for p in module.parameters() if p.device.type == "cuda"})
-    with state.passthrough(), torch.random.fork_rng(devices=devices):
+    with state.passthrough() if state is not None else contextlib.nullcontext(), \
+            torch.random.fork_rng(devices=devices):
         backward()
     with torch.no_grad():
         for b, saved in zip(module.buffers(), buffers):
