@@ -220,6 +220,9 @@ def settle_buckets(ddp: DistributedDataParallel, state: CommHookState | None, ba
             if p.grad is None:
                 continue
             if ddp.gradient_as_bucket_view:
-                p.grad.zero_()  # a view into DDP's bucket: keep it one
+                # A view into DDP's bucket: keep it one. (It also matters to plain DDP, which divides a
+                # view in place but writes grad * (1 / world) into a gradient that is not one yet: other
+                # last bits where the world size is not a power of two, on the first step only.)
+                p.grad.zero_()
             else:
                 p.grad = None  # as before any backward
