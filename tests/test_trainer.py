@@ -54,6 +54,11 @@ PLANS = {
         (f"{c}-resumed", {"comm": {"algorithm": c}, "trainer": {"stop_after": 10, **resume}})
         for c in ("ddp", "sharded") for resume in ({}, {"resume": True})
     ],
+    # Three ranks: plain DDP divides by a world size that is not a power of two.
+    "3x1": [(c, {"comm": {"algorithm": c}}) for c in ("ddp", "hierarchical")] + [
+        (f"{c}-resumed", {"comm": {"algorithm": c}, "trainer": {"stop_after": 10, **resume}})
+        for c in ("ddp", "hierarchical") for resume in ({}, {"resume": True})
+    ],
 }
 
 
@@ -152,12 +157,13 @@ def test_a_compressed_run_resumes_bitwise_with_every_ranks_error_feedback(name, 
     assert len(per_rank) == 4 and sum(bool(r[algorithm]["residuals"]) for r in per_rank) == holders
 
 
-@pytest.mark.parametrize("comm", ["ddp", "sharded"])
-def test_resume_on_four_nodes_is_bitwise_too(comm):
-    """Rings of four leaders (or eight ranks) sum each element in an order that depends on its place in
-    the bucket: only with the rebuilt buckets on the resumed run's first step, as the uninterrupted run
-    has them, do 10 + 10 steps end on 20 straight's bits (DDP's own all-reduce and our hook alike)."""
-    root, results = job("4x2")
+@pytest.mark.parametrize("layout, comm", [("4x2", "ddp"), ("4x2", "sharded"), ("3x1", "ddp"), ("3x1", "hierarchical")])
+def test_resume_on_more_than_two_nodes_is_bitwise_too(layout, comm):
+    """Rings of three or four leaders (or eight ranks) sum each element in an order that depends on its
+    place in the bucket, and plain DDP's first division differs where gradients are not bucket views yet:
+    only with the rebuilt buckets on the resumed run's first step, as the uninterrupted run has them, do
+    10 + 10 steps end on 20 straight's bits (DDP's own all-reduce and our hook alike)."""
+    root, results = job(layout)
     straight = torch.load(root / comm / "checkpoints" / "last.pt", weights_only=True)
     resumed = torch.load(root / f"{comm}-resumed" / "checkpoints" / "last.pt", weights_only=True)
     assert straight["step"] == resumed["step"] == 20 and results[f"{comm}-resumed"]["steps_run"] == 10
