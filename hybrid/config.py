@@ -61,6 +61,9 @@ class ClusterConfig:
     # process: one process per device; thread: one process per node drives its nproc_per_node devices
     # (nn.DataParallel-style replicas in threads; hybrid.node_parallel)
     intra_mode: str = "process"
+    # hydra/launcher=slurm: the rendezvous port on the job's first host (firewalled sites); 0: derived from
+    # the Slurm job id (20000-31999), so concurrent jobs sharing a first host rarely meet on one port
+    rdzv_port: int = 0
     testbed: TestbedConfig = field(default_factory=TestbedConfig)
 
 
@@ -173,6 +176,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _at_least("cluster.nproc_per_node", cfg.cluster.nproc_per_node, 1)
     _at_least("cluster.launch_timeout_s", cfg.cluster.launch_timeout_s, 1)
     _at_least("cluster.max_restarts", cfg.cluster.max_restarts, 0)
+    if not 0 <= cfg.cluster.rdzv_port <= 65535:
+        raise ValueError(f"cluster.rdzv_port={cfg.cluster.rdzv_port!r} must be 0 (derived from the Slurm job id) "
+                         "or a port, 1-65535")
     _one_of("cluster.intra_mode", cfg.cluster.intra_mode, INTRA_MODES)
     if not cfg.cluster.testbed.link_mbit > 0:
         raise ValueError(f"cluster.testbed.link_mbit={cfg.cluster.testbed.link_mbit!r} must be > 0")

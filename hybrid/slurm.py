@@ -10,7 +10,7 @@ one task per worker, so the workers get torchrun's honest environment
 
 The tasks agree on the rendezvous without talking: submitit's global task
 rank says which task hosts the c10d store (node 0), on the job's first host,
-at a port derived from the job id. The workers' ranks come from the c10d
+at a port derived from the job id (or ``cluster.rdzv_port``). The workers' ranks come from the c10d
 rendezvous, as under torchrun, so global rank 0 need not run on node 0.
 
 On Slurm the agents use torch's defaults, as torchrun does, except that the
@@ -60,10 +60,12 @@ class SlurmNode:
     job_id: str
     rdzv_host: str
     local: bool  # submitit's LocalExecutor: every node on this machine
+    port: int = 0  # cluster.rdzv_port; 0: rdzv_port(job_id)
 
     @classmethod
-    def of_this_task(cls, nnodes: int) -> SlurmNode:
-        """This task's node, checked against ``cluster.nnodes`` (one task per node)."""
+    def of_this_task(cls, nnodes: int, port: int = 0) -> SlurmNode:
+        """This task's node, checked against ``cluster.nnodes`` (one task per node); ``port``: the
+        rendezvous port (``cluster.rdzv_port``), 0 to derive it from the job id."""
         import submitit
 
         job = submitit.JobEnvironment()
@@ -73,11 +75,12 @@ class SlurmNode:
                 "(hydra/launcher=slurm or slurm_local, without tasks_per_node / nodes overrides)"
             )
         local = job.cluster == "local"
-        return cls(job.global_rank, job.num_tasks, job.job_id, _LOCALHOST if local else job.hostnames[0], local)
+        return cls(job.global_rank, job.num_tasks, job.job_id, _LOCALHOST if local else job.hostnames[0], local,
+                   port)
 
     @property
     def rdzv_endpoint(self) -> str:
-        return f"{self.rdzv_host}:{rdzv_port(self.job_id)}"
+        return f"{self.rdzv_host}:{self.port or rdzv_port(self.job_id)}"
 
     def run(self, nproc: int, entrypoint: Callable[..., Any], args: Sequence[Any], *,
             timeout_s: float, max_restarts: int = 0) -> dict[int, Any]:

@@ -140,7 +140,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # One task per node (hydra/launcher=slurm): this task is the node's elastic agent. Every task of
         # the job has the same Hydra output dir, and every node checks it (no worker starts before the
         # last node has joined), so a refusal stops all nodes at once instead of leaving them to wait.
-        node = SlurmNode.of_this_task(settings.cluster.nnodes)
+        node = SlurmNode.of_this_task(settings.cluster.nnodes, settings.cluster.rdzv_port)
         check_run_dir(run_dir, settings.trainer.resume)
         prepare(settings)
         # Processes per node as in launch_job: one per device, or one with cluster.intra_mode=thread.

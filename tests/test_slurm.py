@@ -80,6 +80,7 @@ def test_slurm_tasks_meet_on_the_first_host_at_a_port_of_the_job(monkeypatch):
     assert (node.rank, node.nnodes, node.local) == (2, 4, False)
     assert node.rdzv_endpoint == f"gpu07:{rdzv_port('4242')}" and 20000 <= rdzv_port("4242") < 32768
     assert rdzv_port("4242") == rdzv_port("4242") != rdzv_port("4243")
+    assert SlurmNode.of_this_task(4, port=29400).rdzv_endpoint == "gpu07:29400"  # cluster.rdzv_port
 
 
 def test_task_count_other_than_nnodes_is_one_line_error(monkeypatch):

@@ -96,6 +96,7 @@ BAD = [
     (["trainer.resume=true"], "trainer.resume=true continues the run in hydra.run.dir"),
     (["trainer.resume=/no/such/run"], "'/no/such/run' does not exist or is not a directory"),
     (["cluster.max_restarts=-1"], "cluster.max_restarts=-1 must be >= 0"),
+    (["cluster.rdzv_port=70000"], "cluster.rdzv_port=70000 must be 0 (derived from the Slurm job id) or a port, 1-65535"),
     (["trainer.keep_checkpoints=0"], "trainer.keep_checkpoints=0 must be >= 1"),
     (["trainer.nonfinite_grads=ignore"], "trainer.nonfinite_grads='ignore' is not one of stop, skip"),
     (["trainer.check_replicas_every=often"], "trainer.check_replicas_every: Value 'often'"),
