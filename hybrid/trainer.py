@@ -339,24 +339,29 @@ def describe_auto_calibration(comm: AutoCommunicator) -> str:
             f"{', '.join(comm.candidates)} per bucket size")
 
 
-def log_auto_decisions(comm: AutoCommunicator, metrics: Metrics, step: int, logged: set[int]) -> None:
-    """Send decisions not yet in ``logged`` (bucket sizes) to TensorBoard: predicted ms per candidate as
-    scalars, and one text table of every decision so far."""
+def _bucket_kind(d: dict[str, Any]) -> str:
+    """A decision's bucket: its bytes, and its dtype where that is not fp32 (auto decides per both)."""
+    return f"{d['bytes']}B" + ("" if d["dtype"] == "float32" else f"_{d['dtype']}")
+
+
+def log_auto_decisions(comm: AutoCommunicator, metrics: Metrics, step: int, logged: set[str]) -> None:
+    """Send decisions not yet in ``logged`` (bucket kinds: bytes, and dtype where not fp32) to TensorBoard:
+    predicted ms per candidate as scalars, and one text table of every decision so far."""
     report = comm.report()["decisions"]
-    new = [d for d in report if d["bytes"] not in logged]
+    new = [d for d in report if _bucket_kind(d) not in logged]
     if not new:
         return
     for d in new:
-        logged.add(d["bytes"])
-        tag = f"comm_auto/{d['bytes']}B"
+        logged.add(_bucket_kind(d))
+        tag = f"comm_auto/{_bucket_kind(d)}"
         metrics.scalars(step, {f"{tag}/predicted_{alg}_ms": s * 1e3 for alg, s in d["predicted_s"].items()})
-        metrics.status(f"comm=auto: {d['bytes'] / 2**20:.2f} MiB buckets -> {d['chosen']} (predicted "
+        metrics.status(f"comm=auto: {d['bytes'] / 2**20:.2f} MiB {d['dtype']} buckets -> {d['chosen']} (predicted "
                        + ", ".join(f"{a} {s * 1e3:.1f} ms" for a, s in d["predicted_s"].items()) + ")")
-    rows = [f"| {d['bytes']} | {d['chosen']} | " + " | ".join(
+    rows = [f"| {d['bytes']} | {d['dtype']} | {d['chosen']} | " + " | ".join(
         f"{d['predicted_s'][a] * 1e3:.2f}" if a in d["predicted_s"] else "-" for a in comm.candidates) + " |"
         for d in report]
-    table = "\n".join([f"| bucket bytes | chosen | {' | '.join(f'{a} ms' for a in comm.candidates)} |",
-                       "|" + " --- |" * (2 + len(comm.candidates)), *rows])
+    table = "\n".join([f"| bucket bytes | dtype | chosen | {' | '.join(f'{a} ms' for a in comm.candidates)} |",
+                       "|" + " --- |" * (3 + len(comm.candidates)), *rows])
     metrics.text("comm_auto/decisions", table, step)
 
 
@@ -365,7 +370,8 @@ def _runs_as(comm: Communicator | None, cfg: TrainConfig) -> str:
     if comm is None:
         return cfg.comm.algorithm
     if isinstance(comm, AutoCommunicator):
-        return ",".join(f"{d['bytes']}:{d['chosen']}" for d in comm.report()["decisions"]) or "auto"
+        return ",".join(f"{d['bytes']}{'' if d['dtype'] == 'float32' else '_' + d['dtype']}:{d['chosen']}"
+                        for d in comm.report()["decisions"]) or "auto"
     return comm.name
 
 
@@ -381,7 +387,7 @@ def _loop(cfg: TrainConfig, replicas: Replicas, optimizer: torch.optim.Optimizer
     skipped = 0
     loss_value = float("nan")
     interval_start, interval_steps = time.perf_counter(), 0
-    auto_logged: set[int] = set()
+    auto_logged: set[str] = set()
 
     def checkpoint(step: int) -> None:
         # Every rank's error-feedback residuals go to rank 0, the one that writes (a collective).

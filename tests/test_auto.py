@@ -160,14 +160,15 @@ def test_each_new_decision_goes_to_tensorboard_once_with_its_predictions():
     model = Model(Level(2e-3, 8 / 100e9), Level(10e-6, 8 / 1e9))
     auto = _auto(Topology(0, ((0, 1), (2, 3))), model)
     assert "inter alpha 10 us, 1 Gbit/s" in describe_auto_calibration(auto)
-    auto.decide(4096), auto.decide(25 * MiB)
+    auto.decide(4096), auto.decide(25 * MiB), auto.decide(4096, torch.bfloat16)  # a bf16 bucket of 4096 bytes too
     out, logged = _Recorder(), set()
     log_auto_decisions(auto, out, 10, logged)
-    assert logged == {4096, 25 * MiB}
+    assert logged == {"4096B", f"{25 * MiB}B", "4096B_bfloat16"}
     tags = {k for _, values in out.scalars_seen for k in values}
-    assert tags == {f"comm_auto/{b}B/predicted_{a}_ms" for b in (4096, 25 * MiB) for a in auto.candidates}
+    assert tags == {f"comm_auto/{b}/predicted_{a}_ms" for b in logged for a in auto.candidates}
     (tag, table, step), = out.texts
     assert tag == "comm_auto/decisions" and step == 10
-    assert f"| {25 * MiB} | hierarchical |" in table and "| 4096 | flat |" in table
+    assert f"| {25 * MiB} | float32 | hierarchical |" in table and "| 4096 | float32 | flat |" in table
+    assert "| 4096 | bfloat16 | flat |" in table
     log_auto_decisions(auto, out, 20, logged)  # nothing new: nothing logged
     assert len(out.texts) == 1

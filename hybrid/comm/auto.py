@@ -290,9 +290,10 @@ class AutoCommunicator(Communicator):
     def _predict(self, name: str, nbytes: int, dtype: torch.dtype) -> float:
         assert self.model is not None
         model = self.model
-        if self.members[name].compressor.applies_to(torch.empty(0, dtype=dtype)):
+        sample = torch.empty(0, dtype=dtype)
+        if self.members[name].compressor.applies_to(sample):
             # The inter-node phase carries 2 bytes per value instead of dtype's element size.
-            wire = 2 / torch.empty(0, dtype=dtype).element_size()
+            wire = 2 / sample.element_size()
             model = replace(model, inter=_cheaper(model.inter, wire), sharded_inter=_cheaper(model.sharded_inter, wire))
         return predict(model, name, self.layout, nbytes, chunk_bytes=self.chunk_bytes)["total"]
 
