@@ -68,6 +68,11 @@ class Level:
     def from_bandwidth(cls, alpha_us: float, gbit_per_s: float) -> "Level":
         return cls(alpha_us * 1e-6, 8.0 / (gbit_per_s * 1e9))
 
+    def per_byte_scaled(self, factor: float) -> "Level":
+        """This level with ``factor`` times the seconds per byte: a wire carrying fewer bytes per value
+        (factor < 1), or the bytes spread over several links at once."""
+        return Level(self.alpha_s, self.beta_s_per_byte * factor)
+
     @property
     def gbit_per_s(self) -> float | None:
         """The bandwidth ``beta`` stands for (None where the fit resolved none: beta 0)."""
@@ -135,7 +140,7 @@ def predict(model: Model, algorithm: str, layout: Layout, nbytes: float,
         if model.sharded_inter is not None:  # measured: one shard per cross group, all g at once
             inter_s = _ring_allreduce(model.sharded_inter, piece / g, n)
         else:
-            shared = Level(model.inter.alpha_s, model.inter.beta_s_per_byte / min(g, model.nics_per_node))
+            shared = model.inter.per_byte_scaled(1 / min(g, model.nics_per_node))
             inter_s = _ring_allreduce(shared, piece, n)
     per_piece = {
         "intra_reduce": _rooted(intra, piece, g),

@@ -148,7 +148,7 @@ def auto_table(jobs: list[Job]) -> tuple[list[str], list[float]]:
 
 
 def _level(level: Level) -> str:
-    rate = 8 / level.beta_s_per_byte / 1e6 if level.beta_s_per_byte else math.inf
+    rate = level.gbit_per_s * 1e3 if level.gbit_per_s is not None else math.inf
     return f"alpha {level.alpha_s * 1e6:.0f} us, {rate:.0f} Mbit/s"
 
 

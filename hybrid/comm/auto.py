@@ -59,7 +59,7 @@ from hybrid.comm.counters import PhaseCounters
 from hybrid.comm.factory import ALGORITHMS, AUTO
 from hybrid.comm.groups import CommGroups
 from hybrid.comm.sharded import ShardedCommunicator
-from hybrid.costmodel import Level, Model, fit_level, predict
+from hybrid.costmodel import Model, fit_level, predict
 from hybrid.topology import Layout, Topology
 
 __all__ = ["CALIBRATION_SIZES", "MODEL_LEVELS", "AutoCommunicator", "Decision", "auto_candidates", "auto_group_kinds",
@@ -71,10 +71,6 @@ CALIBRATION_SIZES = (16 * 2**10, 512 * 2**10, 4 * 2**20)
 CALIBRATION_REPEATS = 5
 # The Model's levels, in the order reports list them.
 MODEL_LEVELS = ("intra", "inter", "flat", "sharded_intra", "sharded_inter")
-
-def _cheaper(level: Level | None, factor: float) -> Level | None:
-    """``level`` with ``factor`` times the seconds per byte (a narrower wire)."""
-    return None if level is None else Level(level.alpha_s, level.beta_s_per_byte * factor)
 
 
 def auto_candidates(topology: Topology) -> tuple[str, ...]:
@@ -290,11 +286,12 @@ class AutoCommunicator(Communicator):
     def _predict(self, name: str, nbytes: int, dtype: torch.dtype) -> float:
         assert self.model is not None
         model = self.model
-        sample = torch.empty(0, dtype=dtype)
-        if self.members[name].compressor.applies_to(sample):
-            # The inter-node phase carries 2 bytes per value instead of dtype's element size.
-            wire = 2 / sample.element_size()
-            model = replace(model, inter=_cheaper(model.inter, wire), sharded_inter=_cheaper(model.sharded_inter, wire))
+        compressor = self.members[name].compressor
+        if compressor.applies_to(torch.empty(0, dtype=dtype)):
+            # The inter-node phase carries the wire dtype's bytes per value instead of dtype's.
+            wire = compressor.wire_dtype.itemsize / dtype.itemsize
+            sharded_inter = model.sharded_inter and model.sharded_inter.per_byte_scaled(wire)
+            model = replace(model, inter=model.inter.per_byte_scaled(wire), sharded_inter=sharded_inter)
         return predict(model, name, self.layout, nbytes, chunk_bytes=self.chunk_bytes)["total"]
 
     def compressors(self) -> dict[str, InterCompressor]:
