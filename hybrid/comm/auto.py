@@ -160,12 +160,13 @@ def measure_levels(groups: CommGroups, device: torch.device | str = "cpu",
     device = torch.device(device)
     buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=device)
     local, nnodes, me = topo.local_world_size, topo.nnodes, topo.local_rank
-    sharded = groups.cross is not None and nnodes > 1 and local > 1
+    sharded = groups.cross is not None and nnodes > 1 and local > 1  # alike on every rank: cross needs equal nodes
     # Sharded's intra-node phases are timed through its own methods (no collective happens at construction).
     sharded_comm = ShardedCommunicator(groups) if sharded else None
     inbox = buf.new_empty(buf.numel() + local) if sharded else buf
     barrier = lambda: dist.barrier(group=groups.world)  # noqa: E731 - so that concurrent phases start together
-    timings: dict[str, list[float]] = {k: [0.0] * len(sizes) for k in ("intra", "inter", "flat", "s_intra", "s_inter")}
+    phases = ("intra", "inter", "flat", "s_intra", "s_inter") if sharded else ("intra", "inter", "flat")
+    timings: dict[str, list[float]] = {k: [0.0] * len(sizes) for k in phases}
     for i, size in enumerate(sizes):
         piece = buf[: size // 4]
         shards = torch.tensor_split(piece, local)
@@ -193,13 +194,10 @@ def measure_levels(groups: CommGroups, device: torch.device | str = "cpu",
             timings["s_inter"][i] = _timed(lambda: [dist.all_reduce(mine, group=groups.cross, async_op=True)],
                                            device, repeats, before=barrier)
     # The slowest rank's time per size and phase, on every rank: one model everywhere.
-    keys = list(timings)
-    times = torch.tensor([t for k in keys for t in timings[k]], dtype=torch.float64, device=device)
+    times = torch.tensor([t for k in phases for t in timings[k]], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=groups.world)
     flat_times = times.cpu().tolist()
-    slowest = {k: flat_times[j * len(sizes):(j + 1) * len(sizes)] for j, k in enumerate(keys)}
-    if not sharded:
-        del slowest["s_intra"], slowest["s_inter"]
+    slowest = {k: flat_times[j * len(sizes):(j + 1) * len(sizes)] for j, k in enumerate(phases)}
     return fit_calibration(slowest, sizes, Layout.uniform(nnodes, max(topo.node_sizes)))
 
 
