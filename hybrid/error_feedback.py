@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from hybrid.comm.base import Communicator
 from hybrid.comm.compression import InterCompressor
 from hybrid.config import TrainConfig
 
@@ -38,8 +39,11 @@ __all__ = ["ErrorFeedback", "restore_residuals", "signature"]
 CHECKPOINT_KEY = "error_feedback"
 
 
-def signature(cfg: TrainConfig, node_sizes: Sequence[int]) -> dict[str, Any]:
-    """What the residuals' keys and owners depend on: equal signatures mean they apply as saved."""
+def signature(cfg: TrainConfig, node_sizes: Sequence[int]) -> dict[str, Any] | None:
+    """What the residuals' keys and owners depend on: equal signatures mean they apply as saved. None where
+    the run keeps no residuals (no ``inter_compression``; the same on every rank: it is the config)."""
+    if cfg.comm.inter_compression == "none":
+        return None
     return {"comm": cfg.comm.algorithm, "inter_compression": cfg.comm.inter_compression,
             "intra_mode": cfg.cluster.intra_mode, "node_sizes": list(node_sizes),
             "bucket_mb": cfg.comm.bucket_mb, "chunk_bytes": cfg.comm.chunk_bytes}
@@ -51,6 +55,18 @@ class ErrorFeedback:
 
     compressors: dict[str, InterCompressor]
     signature: dict[str, Any]
+
+    @classmethod
+    def attach(cls, run_signature: dict[str, Any] | None, comm: Communicator | None,
+               residuals: dict[str, Any] | None, device: torch.device) -> ErrorFeedback | None:
+        """The error feedback of a run of ``run_signature`` (None where it keeps none) over ``comm``'s
+        compressors, with this rank's restored ``residuals`` (from :func:`restore_residuals`) loaded."""
+        if run_signature is None or comm is None:
+            return None
+        feedback = cls(comm.compressors(), run_signature)
+        if residuals is not None:
+            feedback.load(residuals, device)
+        return feedback
 
     def gather(self) -> dict[str, Any] | None:
         """Every rank's residuals, on rank 0 (None elsewhere). Collective over the default group."""

@@ -54,7 +54,7 @@ from hybrid.config import TrainConfig
 from hybrid.data import BatchStream
 from hybrid.metrics import Metrics
 from hybrid.topology import Topology
-from hybrid.trainer import _loop, _loss, build_training, compresses, load_dataset, restore_training
+from hybrid.trainer import _loop, _loss, build_training, load_dataset, restore_training
 
 __all__ = ["NodeProcessCommunicator", "NodeReplicas", "replica_topology", "train_node"]
 
@@ -90,7 +90,7 @@ def train_node(cfg: TrainConfig, processes: Topology, device: torch.device, run_
     streams = [BatchStream(dataset, cfg.data.batch_size, rank, topology.world_size, cfg.trainer.seed,
                            pin_memory=device.type == "cuda", num_workers=cfg.data.num_workers)
                for rank in topology.node_ranks]
-    residual_signature = error_feedback.signature(cfg, topology.node_sizes) if compresses(cfg) else None
+    residual_signature = error_feedback.signature(cfg, topology.node_sizes)
     start_step, residuals = restore_training(cfg, run_path, processes.rank, topology.world_size, metrics, model,
                                              optimizer, scheduler, streams, residual_signature)
     # The gradients' own group (not the default one, which carries the loop's start-up and checksum exchanges).
@@ -98,11 +98,7 @@ def train_node(cfg: TrainConfig, processes: Topology, device: torch.device, run_
     group = dist.new_group(backend=backend, timeout=timedelta(seconds=cfg.comm.timeout_s))
     comm = NodeProcessCommunicator(topology, group, backend, cfg.comm.timeout_s, devices[0],
                                    inter_compression=cfg.comm.inter_compression)
-    feedback = None
-    if residual_signature is not None:
-        feedback = error_feedback.ErrorFeedback(comm.compressors(), residual_signature)
-        if residuals is not None:
-            feedback.load(residuals, devices[0])
+    feedback = error_feedback.ErrorFeedback.attach(residual_signature, comm, residuals, devices[0])
     replicas = NodeReplicas(model, devices, streams, comm, bucket_bytes=max(1, int(cfg.comm.bucket_mb * 2**20)),
                             timeout_s=cfg.comm.timeout_s,
                             threads_per_replica=max(1, torch.get_num_threads() // per_node))

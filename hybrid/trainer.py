@@ -135,11 +135,6 @@ def _broadcast_from_rank0(value: Any) -> Any:
     return box[0]
 
 
-def compresses(cfg: TrainConfig) -> bool:
-    """Whether ranks keep error-feedback residuals (the same answer on every rank: it is the config)."""
-    return cfg.comm.inter_compression != "none"
-
-
 def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int, where: Path) -> None:
     saved_model, saved_world = state.get("model_config"), state.get("world_size")
     if saved_model != asdict(cfg.model):
@@ -283,7 +278,7 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
     model, optimizer, scheduler = build_training(cfg, dataset, device)
     stream = BatchStream(dataset, cfg.data.batch_size, topology.rank, topology.world_size, cfg.trainer.seed,
                          pin_memory=device.type == "cuda", num_workers=cfg.data.num_workers)
-    residual_signature = error_feedback.signature(cfg, topology.node_sizes) if compresses(cfg) else None
+    residual_signature = error_feedback.signature(cfg, topology.node_sizes)
     start_step, residuals = restore_training(cfg, run_path, rank, topology.world_size, metrics, model, optimizer,
                                              scheduler, [stream], residual_signature)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -301,11 +296,7 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
             if isinstance(comm, AutoCommunicator):
                 metrics.status(describe_auto_calibration(comm))
             hook = register_comm_hook(ddp, comm)
-        feedback = None
-        if residual_signature is not None and comm is not None:
-            feedback = error_feedback.ErrorFeedback(comm.compressors(), residual_signature)
-            if residuals is not None:
-                feedback.load(residuals, device)
+        feedback = error_feedback.ErrorFeedback.attach(residual_signature, comm, residuals, device)
         # The first real step already sees DDP's rebuilt buckets, as every later one does: a resumed run
         # then sums each element in the order the uninterrupted run did, and residuals keyed by bucket apply.
         x, y = _sample_batch(dataset, cfg.data.batch_size, device)
