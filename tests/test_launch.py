@@ -4,6 +4,7 @@ import os
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -23,6 +24,15 @@ def processes_with_marker(marker: str) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def left_after(pids_now: Callable[[], list[int]], within_s: float) -> list[int]:
+    """``pids_now()`` once it is empty, or when ``within_s`` have passed: processes already killed (and
+    multiprocessing's helpers) may take a moment to go, a leak stays."""
+    deadline = time.monotonic() + within_s
+    while (left := pids_now()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def test_uneven_layout_gets_honest_torchrun_environment():
@@ -51,10 +61,7 @@ def test_hung_job_is_stopped_at_the_deadline_and_leaves_no_process():
             Layout.parse("2x1"), launch_targets.block_forever, timeout_s=20,
             env={"HYBRID_TEST_MARKER": marker},
         )
-    deadline = time.monotonic() + 10  # killed processes (and multiprocessing's helpers) may take a moment to go
-    while processes_with_marker(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert processes_with_marker(marker) == []
+    assert left_after(lambda: processes_with_marker(marker), within_s=10) == []
 
 
 def test_bad_timeout_is_rejected():

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import reliability_targets
+from test_launch import left_after
 from hybrid.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
 from hybrid.launch import launch_local
 from hybrid.testbed import testbed_available
@@ -55,12 +56,7 @@ def descendants(pid: int) -> list[int]:
 
 def all_gone(pids: list[int], within_s: float = 10.0) -> bool:
     """Whether every process in ``pids`` has exited, allowing ``within_s`` for ones already killed to go."""
-    deadline = time.monotonic() + within_s
-    while any(running(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+    return left_after(lambda: [p for p in pids if running(p)], within_s) == []
 
 
 def running(pid: int) -> bool:

@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from omegaconf import OmegaConf  # noqa: E402
 import hybrid.train  # noqa: E402  also registers the schema (train_schema) with Hydra's ConfigStore
 from hybrid.config import TrainConfig  # noqa: E402
 from hybrid.slurm import SlurmNode, in_submitit_task, rdzv_port  # noqa: E402
-from test_launch import processes_with_marker  # noqa: E402
+from test_launch import left_after, processes_with_marker  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TINY = ["model.width=32", "model.depth=1", "trainer.max_steps=3", "trainer.log_every=1", "data.num_samples=256",
@@ -146,10 +145,8 @@ def test_sweep_of_two_layouts_one_elastic_agent_per_node_as_local_submitit_tasks
     reports = sorted(m.group(1) for p in logs for m in re.finditer(r"metrics: (\S+)", p.read_text()))
     assert reports == [str(sweep / "0" / "metrics.json"), str(sweep / "1" / "metrics.json")]
 
-    deadline = time.monotonic() + 15  # the local controller ends its tasks just after the results are in
-    while processes_with_marker(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = processes_with_marker(marker)
+    # The local controller ends its tasks just after the results are in.
+    left = left_after(lambda: processes_with_marker(marker), within_s=15)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == []
