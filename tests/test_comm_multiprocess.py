@@ -7,7 +7,6 @@ the tests below assert on what the ranks returned.
 
 from __future__ import annotations
 
-
 import pytest
 
 import workers

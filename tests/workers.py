@@ -417,7 +417,7 @@ class _Gate:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.state: Any = None
-        self.since: float | None = None  # set for the backward that syncs; None under no_sync
+        self.since: float | None = None  # when the gated backward's step began; None: let backward pass
         self.seen: list[bool] = []
 
     def wait(self) -> None:
@@ -447,7 +447,7 @@ class GatedNet(Net):
 
 
 def case_overlap(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
-    """Per comm: in how many synced backwards an earlier bucket finished before the last was produced."""
+    """Per comm and step: whether an earlier bucket finished reducing before backward produced the last one."""
     steps, width, depth = params.get("steps", 4), params.get("width", 32), params.get("depth", 8)
     out: dict[str, Any] = {}
     for comm_name in params.get("comms", list(ALGORITHMS)):
