@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from hybrid.topology import WorkerEnv
 
-__all__ = ["init_distributed", "listening_socket", "shutdown_distributed"]
+__all__ = ["broadcast_from_rank0", "init_distributed", "listening_socket", "shutdown_distributed"]
 
 
 def init_distributed(timeout_s: float = 300.0) -> WorkerEnv:
@@ -78,6 +78,13 @@ def listening_socket(host: str, port: int) -> socket.socket:
     listener.bind(address)
     listener.listen(1024)
     return listener
+
+
+def broadcast_from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` (any picklable object), on every rank. Collective over the default group."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def shutdown_distributed() -> None:

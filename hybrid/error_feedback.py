@@ -33,6 +33,7 @@ import torch.distributed as dist
 from hybrid.comm.base import Communicator
 from hybrid.comm.compression import InterCompressor
 from hybrid.config import TrainConfig
+from hybrid.distributed import broadcast_from_rank0
 
 __all__ = ["ErrorFeedback", "restore_residuals", "signature"]
 
@@ -98,9 +99,7 @@ def restore_residuals(saved: dict[str, Any] | None, wanted: dict[str, Any] | Non
     """This rank's residuals out of the checkpoint part ``saved`` (significant on rank 0 only), or None
     where they do not apply to a run of signature ``wanted`` (None: the run does not compress).
     Collective over the default group."""
-    box = [_verdict(saved, wanted) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    why = box[0]
+    why = broadcast_from_rank0(_verdict(saved, wanted) if dist.get_rank() == 0 else None)
     if why is not None:
         if wanted is not None:
             log(f"error-feedback residuals start at zero: {why}")

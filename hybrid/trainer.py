@@ -37,7 +37,7 @@ from hybrid.comm import (MODEL_LEVELS, PHASES, AutoCommunicator, CommGroups, Com
                          group_kinds_for, make_communicator, register_comm_hook, settle_buckets)
 from hybrid.config import TrainConfig, resume_target
 from hybrid.data import KIND_OF_MODEL, ArrayDataset, BatchStream, DatasetSpec, check_arrays, ensure_synthetic, load_arrays
-from hybrid.distributed import init_distributed, shutdown_distributed
+from hybrid.distributed import broadcast_from_rank0, init_distributed, shutdown_distributed
 from hybrid.metrics import Metrics, NullMetrics, TensorBoardMetrics, write_json_atomic
 from hybrid.models import build_model, param_bytes
 from hybrid.optim import build_optimizer, build_scheduler
@@ -129,12 +129,6 @@ def _sample_batch(dataset: ArrayDataset, batch_size: int, device: torch.device) 
     return torch.stack([x for x, _ in rows]).to(device), torch.stack([y for _, y in rows]).to(device)
 
 
-def _broadcast_from_rank0(value: Any) -> Any:
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int, where: Path) -> None:
     saved_model, saved_world = state.get("model_config"), state.get("world_size")
     if saved_model != asdict(cfg.model):
@@ -169,14 +163,14 @@ def restore_training(cfg: TrainConfig, run_path: Path, rank: int, world_size: in
         # The elastic agent restarted us after a failure: continue from this run's last
         # checkpoint if it wrote one. Rank 0 owns the run dir, so rank 0 decides for all.
         own = rank == 0 and bool(checkpoint_steps(run_path / "checkpoints"))
-        if _broadcast_from_rank0(own):
+        if broadcast_from_rank0(own):
             source = run_path
             metrics.status(f"restart {restart}: resuming from the last checkpoint in {run_path / 'checkpoints'}")
     if source is not None:
         state = load_checkpoint(source, log=metrics.status) if rank == 0 else None
         # Every rank's residuals stay on rank 0 until each gets only its own, below.
         saved_residuals = state.pop(error_feedback.CHECKPOINT_KEY, None) if state is not None else None
-        state = _broadcast_from_rank0(state)
+        state = broadcast_from_rank0(state)
         _check_resumable(state, cfg, world_size, source)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -243,7 +237,7 @@ def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
     failed = False
     try:
         # Under torchrun every rank has its own Hydra dir: rank 0's is the run's.
-        run_path = Path(_broadcast_from_rank0(run_dir))
+        run_path = Path(broadcast_from_rank0(run_dir))
         topology = discover_topology(env)
         device = _device(cfg, env.local_rank)
         threads = cfg.trainer.num_threads or int(os.environ.get("OMP_NUM_THREADS", "0")) or max(
