@@ -20,6 +20,7 @@ from hybrid.comm.factory import ALGORITHMS, CHOOSABLE, group_kinds_for, make_com
 from hybrid.comm.flat import FlatCommunicator
 from hybrid.comm.groups import BACKENDS, GROUP_KINDS, CommGroups
 from hybrid.comm.hierarchical import HierarchicalCommunicator
+from hybrid.comm.ordered_stream import OrderedStream
 from hybrid.comm.settings import COMM_CHOICES, CommSettings
 from hybrid.comm.sharded import ShardedCommunicator
 
@@ -44,6 +45,7 @@ __all__ = [
     "FlatCommunicator",
     "HierarchicalCommunicator",
     "InterCompressor",
+    "OrderedStream",
     "PhaseCounters",
     "PhaseStats",
     "ShardedCommunicator",

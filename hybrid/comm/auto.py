@@ -35,7 +35,7 @@ flat there and measures nothing. With ``inter_compression``, hierarchical
 and sharded send 16 bits per value across nodes, and the model prices their
 inter-node phase accordingly; flat stays uncompressed.
 
-On NCCL every bucket goes through the DDP hook's communication thread (one
+On NCCL every bucket goes through the groups' ordered stream (one
 order of collectives across all groups on every rank, as NCCL needs for
 communicators used side by side); on gloo, buckets auto sends flat keep
 flat's direct path from backward, since gloo groups never wait on each other.

@@ -90,6 +90,7 @@ class Communicator(ABC):
         self.counters = counters if counters is not None else PhaseCounters()
         self.chunk_bytes = chunk_bytes
         self.compressor = InterCompressor(inter_compression)
+        self.hooks_registered = 0  # DDP models hooked to this communicator so far (hybrid.comm.ddp_hook)
 
     def compressors(self) -> dict[str, InterCompressor]:
         """The inter-node compressors whose error-feedback residuals this rank keeps, by algorithm name
@@ -119,6 +120,11 @@ class Communicator(ABC):
         world = self.topology.world_size
         if tensor.numel() == 0 or world == 1:
             return tensor
+        stream = self.groups.stream
+        if stream is not None and stream.active and not stream.on_own_thread():
+            # A DDP hook's thread is issuing collectives on these groups: queue behind what it has, so
+            # this call's collectives leave every rank in the same place of one order.
+            return stream.call(lambda: self.all_reduce_mean_(tensor, key))
         # Collectives need one contiguous buffer; DDP buckets already are one.
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
         self._sum_(flat, self._prescale_(flat), ("size", flat.numel()) if key is None else key)
@@ -129,7 +135,7 @@ class Communicator(ABC):
     def starter_for(self, tensor: torch.Tensor) -> Callable[..., "torch.futures.Future[torch.Tensor]"] | None:
         """A ``start_mean_(tensor, on_done=None) -> Future`` that averages ``tensor`` without a thread of
         ours (issued straight from DDP's backward), or None where the algorithm needs dependent phases
-        (the DDP hook then runs :meth:`all_reduce_mean_` on its communication thread)."""
+        (the DDP hook then runs :meth:`all_reduce_mean_` on the groups' ordered stream)."""
         return None
 
     @abstractmethod
@@ -179,12 +185,20 @@ class Communicator(ABC):
 
     def _comm_error(self, phase: str, exc: BaseException, start: float) -> CommError:
         """The error a failed collective of ``phase`` (begun at ``start``) raises: algorithm, phase, rank, node."""
-        topo = self.topology
-        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return CommError(
-            f"{self.name} {phase} failed on rank {topo.rank} (node {topo.node}, local rank "
-            f"{topo.local_rank}) after {time.perf_counter() - start:.1f}s: {cause}"
-        )
+        return self._failure_describer()(phase, exc, start)
+
+    def _failure_describer(self) -> Callable[[str, BaseException, float], CommError]:
+        """:meth:`_comm_error` as a function that holds only the name and topology, not the communicator."""
+        name, topo = self.name, self.topology
+
+        def describe(phase: str, exc: BaseException, start: float) -> CommError:
+            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return CommError(
+                f"{name} {phase} failed on rank {topo.rank} (node {topo.node}, local rank "
+                f"{topo.local_rank}) after {time.perf_counter() - start:.1f}s: {cause}"
+            )
+
+        return describe
 
     def _prescale_(self, flat: torch.Tensor) -> int | None:
         """Apply the precision policy before the sum; return the divisor left for after it.

@@ -10,33 +10,35 @@ returns quickly.
 Our algorithms need three dependent phases per bucket. Chaining them with
 ``Future.then`` and waiting on another gloo collective inside the callback
 deadlocks (gloo runs callbacks on its own worker threads), and running them
-synchronously inside the hook loses the overlap. Instead each DDP model gets
-one communication thread fed by a FIFO queue: the hook enqueues the bucket
-and returns a fresh Future; the thread runs the phases with ordinary blocking
-waits and completes the Future. Buckets are processed in the order DDP hands
-them over, which is the same on every rank, so every rank issues the same
-collectives in the same order, and early buckets travel while later ones are
-still being computed.
+synchronously inside the hook loses the overlap. Instead the hook hands the
+bucket to its groups' :class:`~hybrid.comm.ordered_stream.OrderedStream` and
+returns a fresh Future; the stream's thread runs the phases with ordinary
+blocking waits and completes the Future, while backward goes on computing
+later buckets. There is one stream per ``CommGroups``, not one per DDP model:
+several models in one backward (a GAN's generator and discriminator, teacher
+and student) queue their buckets into the same FIFO in the order DDP hands
+them over, so every rank issues the same collectives in the same order. With
+a thread per model they raced each other on the same groups, and gloo aborted
+("Received data size doesn't match expected size") or hung.
 
 A failing collective (peer gone, timeout) completes that bucket's Future with
-the exception, which DDP re-raises from ``backward()``; every later bucket
-fails fast with the same cause rather than talking to a broken group.
+the exception, which DDP re-raises from ``backward()``; every later bucket on
+those groups fails fast with the same cause rather than talking to a broken
+group.
 
 A communicator whose average needs no dependent phases (flat) offers
 ``start_mean_``: the hook then issues its all-reduce(s) at once, from
 backward, and returns the transport's own Future with one callback chained to
 it (timing, the division where the transport did not average, this bucket's
 trace), like DDP's built-in hooks; every bucket takes that path, so the order
-of collectives stays DDP's bucket order on every rank. Measured on 2x2
-loopback with 20 MiB of gradients, the thread hand-off had cost ~10% of the
-step against plain DDP.
+of collectives stays DDP's bucket order on every rank, as with DDP's own
+all-reduce (the thread hand-off would cost flat its speed next to plain DDP:
+experiments/hook_ab.py).
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's
 # annotations against the real objects (dist.GradBucket, Future[Tensor]).
 import contextlib
-import queue
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -46,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hybrid.comm.base import Communicator
+from hybrid.comm.base import SUPPORTED_DTYPES, Communicator
 
 __all__ = ["BucketTrace", "CommHookState", "register_comm_hook", "settle_buckets"]
 
@@ -63,29 +65,24 @@ class BucketTrace:
     finished: float = 0.0
 
 
-@dataclass
-class _Job:
-    tensor: torch.Tensor
-    future: torch.futures.Future
-    event: "torch.cuda.Event | None"
-    trace: BucketTrace
-
-
 class CommHookState:
-    """Owns the communication thread that serves one DDP model's buckets."""
+    """One DDP model's side of the hook: its traces and bucket count; the communication goes through the
+    communicator's groups' shared ordered stream, which this state holds until :meth:`close`."""
 
     def __init__(self, communicator: Communicator, trace_len: int = 4096) -> None:
         self.communicator = communicator
         self.traces: deque[BucketTrace] = deque(maxlen=trace_len)
         self.buckets_per_step: int = 0  # buckets in the last completed backward
         self._buckets_this_step = 0
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._error: BaseException | None = None
         self._closed = False
         self._passthrough = False  # settle_buckets: hand buckets back untouched, no collectives
-        rank = communicator.topology.rank
-        self._thread = threading.Thread(target=self._serve, name=f"hybrid-comm-{rank}", daemon=True)
-        self._thread.start()
+        # Which of the models hooked to this communicator this is: with inter_compression, each model's
+        # buckets keep residuals of their own (bucket 0 of two models must not share one). The first keeps
+        # the plain (bucket, size) keys that checkpoints hold.
+        self.model_index = communicator.hooks_registered
+        communicator.hooks_registered += 1
+        self._stream = communicator.groups.ordered_stream()
+        self._stream.attach()
 
     def submit(
         self, tensor: torch.Tensor, index: int = 0, is_last: bool = False
@@ -97,6 +94,21 @@ class CommHookState:
             done: torch.futures.Future = torch.futures.Future()
             done.set_result(tensor)
             return done
+        trace = BucketTrace(index, tensor.nbytes, is_last, submitted=time.perf_counter())
+        self.traces.append(trace)
+        self._buckets_this_step += 1
+        if is_last:
+            self.buckets_per_step, self._buckets_this_step = self._buckets_this_step, 0
+        direct = self.communicator.starter_for(tensor)
+        if direct is not None:
+            # Flat: no hand-off to a thread; every bucket of that size goes this way, in DDP's order.
+            # (auto may send other sizes through the stream: those talk over other groups.)
+            trace.started = trace.submitted
+
+            def finished() -> None:
+                trace.finished = time.perf_counter()
+
+            return direct(tensor, on_done=finished)
         event = None
         if tensor.is_cuda:
             # The bucket was filled on the backward stream: the comm thread
@@ -106,23 +118,17 @@ class CommHookState:
             future: torch.futures.Future = torch.futures.Future(devices=[tensor.device])
         else:
             future = torch.futures.Future()
-        trace = BucketTrace(index, tensor.nbytes, is_last, submitted=time.perf_counter())
-        self.traces.append(trace)
-        self._buckets_this_step += 1
-        if is_last:
-            self.buckets_per_step, self._buckets_this_step = self._buckets_this_step, 0
-        direct = self.communicator.starter_for(tensor)
-        if direct is not None:
-            # Flat: no hand-off to our thread; every bucket of that size goes this way, in DDP's order.
-            # (auto may send other sizes through the thread: those talk over other groups.)
-            trace.started = trace.submitted
+        key = (index, tensor.numel()) if self.model_index == 0 else (f"model{self.model_index}", index, tensor.numel())
 
-            def finished() -> None:
-                trace.finished = time.perf_counter()
+        def started() -> None:
+            trace.started = time.perf_counter()
 
-            return direct(tensor, on_done=finished)
-        self._queue.put(_Job(tensor, future, event, trace))
-        return future
+        def finished_reducing() -> None:
+            trace.finished = time.perf_counter()
+
+        return self._stream.submit(lambda: self.communicator.all_reduce_mean_(tensor, key=key), future,
+                                   event=event, device=tensor.device, on_start=started,
+                                   on_finish=finished_reducing)
 
     @contextlib.contextmanager
     def passthrough(self) -> Iterator[None]:
@@ -133,41 +139,13 @@ class CommHookState:
         finally:
             self._passthrough = False
 
-    def _serve(self) -> None:
-        stream = None
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            if self._error is not None:
-                job.future.set_exception(
-                    RuntimeError(f"an earlier bucket's communication failed: {self._error}")
-                )
-                continue
-            job.trace.started = time.perf_counter()
-            try:
-                if job.event is not None:
-                    if stream is None:
-                        stream = torch.cuda.Stream(device=job.tensor.device)
-                    with torch.cuda.device(job.tensor.device), torch.cuda.stream(stream):
-                        stream.wait_event(job.event)
-                        self.communicator.all_reduce_mean_(job.tensor, key=(job.trace.index, job.tensor.numel()))
-                        job.future.set_result(job.tensor)
-                else:
-                    self.communicator.all_reduce_mean_(job.tensor, key=(job.trace.index, job.tensor.numel()))
-                    job.future.set_result(job.tensor)
-            except BaseException as exc:  # surfaced to DDP through the Future
-                self._error = exc
-                job.future.set_exception(exc)
-            job.trace.finished = time.perf_counter()
-
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the thread after the queued buckets are served (waits at most ``timeout_s``)."""
+        """Let go of the stream; the last user stops its thread after the queued buckets are served
+        (waiting at most ``timeout_s``)."""
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
-        self._thread.join(timeout_s)
+        self._stream.detach(timeout_s)
 
 
 def _hybrid_comm_hook(
@@ -179,13 +157,38 @@ def _hybrid_comm_hook(
 def register_comm_hook(model: DistributedDataParallel, communicator: Communicator) -> CommHookState:
     """Make ``model`` average its gradient buckets with ``communicator``.
 
+    Any number of DDP models may share one communicator (or communicators
+    built on one ``CommGroups``): their buckets are averaged in the order DDP
+    hands them over, one stream for all. Program shapes the hook cannot serve
+    are refused here with a ``ValueError``, rather than failing in backward.
     Returns the hook's state; call its ``close()`` when training ends.
     """
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"register_comm_hook needs a DistributedDataParallel model, got {type(model).__name__}")
+    _check_supported(model, communicator)
     state = CommHookState(communicator)
     model.register_comm_hook(state, _hybrid_comm_hook)
     return state
+
+
+def _check_supported(model: DistributedDataParallel, communicator: Communicator) -> None:
+    """Refuse, in one line, what would average over the wrong ranks or fail inside backward."""
+    topo = communicator.topology
+    ranks = dist.get_process_group_ranks(model.process_group)
+    if ranks != list(range(topo.world_size)):
+        raise ValueError(
+            f"the DDP model's process group holds ranks {ranks}, but the communicator averages over all "
+            f"{topo.world_size} ranks of its topology: wrap the model in DDP over the default group")
+    dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype not in SUPPORTED_DTYPES})
+    if dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+        raise ValueError(f"the model has trainable parameters of dtype {', '.join(dtypes)}; the hook averages "
+                         f"{allowed}")
+    devices = sorted({p.device.type for p in model.parameters() if p.requires_grad})
+    backends = {communicator.groups.intra_backend, communicator.groups.inter_backend}
+    if "nccl" in backends and devices != ["cuda"]:
+        raise ValueError(f"the model's parameters are on {', '.join(devices)}, but the communicator's groups use "
+                         "nccl, which needs CUDA tensors: move the model to its GPU or build the groups with gloo")
 
 
 def settle_buckets(ddp: DistributedDataParallel, state: CommHookState | None, backward: Callable[[], None]) -> None:

@@ -139,15 +139,19 @@ class FlatCommunicator(Communicator):
         nbytes = allreduce_bytes(piece.nbytes, self.topology.world_size)
         work, averaged = self._all_reduce(piece, average=divisor is not None, async_op=True)
         divide = divisor is not None and not averaged
+        # The callback runs, and is let go of, on a gloo worker thread: it must not hold the communicator
+        # (nor through it the groups). Were it the last holder at exit, the process group would be
+        # destroyed on its own worker thread, which then joins itself ("Resource deadlock avoided").
+        counters, describe_failure, divide_ = self.counters, self._failure_describer(), self._divide_
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
             try:
                 fut.wait()
             except Exception as exc:
-                raise self._comm_error("flat_allreduce", exc, start) from exc
-            self.counters.add("flat_allreduce", time.perf_counter() - start, nbytes)
+                raise describe_failure("flat_allreduce", exc, start) from exc
+            counters.add("flat_allreduce", time.perf_counter() - start, nbytes)
             if divide:
-                self._divide_(piece, divisor)
+                divide_(piece, divisor)
             if on_done is not None:
                 on_done()
             return result

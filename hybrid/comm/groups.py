@@ -14,15 +14,19 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Iterable
 
+import threading
+
 import torch
 import torch.distributed as dist
 
+from hybrid.comm.ordered_stream import OrderedStream
 from hybrid.topology import Topology
 
 __all__ = ["BACKENDS", "GROUP_KINDS", "CommGroups", "resolve_backend"]
 
 BACKENDS = ("auto", "gloo", "nccl")
 GROUP_KINDS = ("world", "intra", "leaders", "cross")
+_STREAM_LOCK = threading.Lock()
 
 
 def resolve_backend(name: str, level: str) -> str:
@@ -62,6 +66,7 @@ class CommGroups:
     leaders: dist.ProcessGroup | None
     cross: dist.ProcessGroup | None
     kinds: frozenset[str] = field(default=frozenset(GROUP_KINDS))
+    _stream: OrderedStream | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -112,6 +117,24 @@ class CommGroups:
             cross=cross,
             kinds=wanted,
         )
+
+    @property
+    def stream(self) -> OrderedStream | None:
+        """The ordered stream of these groups' collectives, or None if nothing has asked for one."""
+        return self._stream
+
+    def ordered_stream(self) -> OrderedStream:
+        """The one stream that issues these groups' collectives off the caller's thread (made on first use).
+
+        One per set of groups, not per DDP model or per communicator: every
+        model and communicator on these groups then queues into the same FIFO,
+        so the collectives leave every rank in one order (see
+        :mod:`hybrid.comm.ordered_stream`).
+        """
+        with _STREAM_LOCK:
+            if self._stream is None:
+                self._stream = OrderedStream(f"hybrid-comm-{self.topology.rank}", self.timeout.total_seconds())
+            return self._stream
 
     def destroy(self) -> None:
         """Destroy the groups this rank is a member of (the default group stays)."""
