@@ -34,9 +34,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hybrid.comm import CommGroups, make_communicator, register_comm_hook  # noqa: E402
-from hybrid.models import MLP  # noqa: E402
-from hybrid.topology import WorkerEnv, discover_topology  # noqa: E402
+from hybrid.app.models import MLP  # noqa: E402
+from hybrid.core.comm import CommGroups, make_communicator, register_comm_hook  # noqa: E402
+from hybrid.core.topology import WorkerEnv, discover_topology  # noqa: E402
 
 VARIANTS = ("ddp", "flat", "flat-sum", "torch-hook", "hierarchical", "sharded")
 

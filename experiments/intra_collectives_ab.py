@@ -1,7 +1,7 @@
 """How to build sharded's intra-node reduce-scatter and all-gather on this transport:
 ``python experiments/intra_collectives_ab.py`` (it starts one torchrun per variant).
 
-Why this exists: ``hybrid.comm.sharded`` could reduce-scatter a pipeline piece
+Why this exists: ``hybrid.core.comm.sharded`` could reduce-scatter a pipeline piece
 with one ``reduce`` per shard, the transport's ``reduce_scatter_single``, or
 one ``all_to_all_single`` plus a local sum, and all-gather it with one
 ``broadcast`` per shard or ``all_gather_into_tensor``. Which is fastest, and

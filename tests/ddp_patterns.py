@@ -26,9 +26,9 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hybrid.comm import CommGroups, Communicator, HierarchicalCommunicator, make_communicator, register_comm_hook
-from hybrid.distributed import init_distributed, shutdown_distributed
-from hybrid.topology import discover_topology
+from hybrid.core.comm import CommGroups, Communicator, HierarchicalCommunicator, make_communicator, register_comm_hook
+from hybrid.core.topology import discover_topology
+from hybrid.runtime.distributed import init_distributed, shutdown_distributed
 
 VARIANTS = ("ddp", "flat", "hierarchical", "sharded", "broken")
 STEPS = 5

@@ -10,10 +10,10 @@ from datetime import timedelta
 import pytest
 import torch
 
-from hybrid.comm import AutoCommunicator, CommGroups, group_kinds_for
-from hybrid.comm.auto import CALIBRATION_SIZES, auto_candidates, fit_calibration
-from hybrid.costmodel import Level, Model, predict
-from hybrid.topology import Layout, Topology
+from hybrid.core.comm import AutoCommunicator, CommGroups, group_kinds_for
+from hybrid.core.comm.auto import CALIBRATION_SIZES, auto_candidates, fit_calibration
+from hybrid.core.costmodel import Level, Model, predict
+from hybrid.core.topology import Layout, Topology
 
 MiB = 2**20
 
@@ -155,7 +155,7 @@ class _Recorder:
 
 
 def test_each_new_decision_goes_to_tensorboard_once_with_its_predictions():
-    from hybrid.trainer import describe_auto_calibration, log_auto_decisions
+    from hybrid.app.run_metrics import describe_auto_calibration, log_auto_decisions
 
     model = Model(Level(2e-3, 8 / 100e9), Level(10e-6, 8 / 1e9))
     auto = _auto(Topology(0, ((0, 1), (2, 3))), model)

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from hybrid.bench import nic_tx_bytes, parse_size
+from hybrid.tools.bench import nic_tx_bytes
+from hybrid.tools.units import parse_size
 
 
 def bench(*args, cwd=None, timeout=240):

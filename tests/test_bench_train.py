@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hybrid.bench_train import TrainBenchOptions, compose_settings, summarise
+from hybrid.tools.bench_train import TrainBenchOptions, compose_settings, summarise
 
 
 def bench_train(*args, cwd=None, timeout=400):
@@ -60,7 +60,7 @@ def test_compose_settings_is_the_trainers_config_and_rejects_uneven_layouts():
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(args, needle, tmp_path, monkeypatch, capsys):
-    from hybrid.bench_train import main
+    from hybrid.tools.bench_train import main
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
@@ -79,7 +79,7 @@ def test_tiny_run_reports_every_configuration(tmp_path):
     assert "weak-scaling eff" in out.stdout and "vs ddp" in out.stdout
     report = json.loads((tmp_path / "t.json").read_text())
     rows = {(r["layout"], r["comm"]): r for r in report["summary"]}
-    assert set(rows) == {(l, c) for l in ("1x1", "1x2") for c in ("ddp", "flat")}
+    assert set(rows) == {(layout, c) for layout in ("1x1", "1x2") for c in ("ddp", "flat")}
     for (layout, comm), row in rows.items():
         (run,) = report["runs"][f"{layout} {comm}"]
         assert len(run["peak_rss_mb"]) == row["world_size"]  # one figure per rank, from each worker

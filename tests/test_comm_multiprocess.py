@@ -1,6 +1,6 @@
 """The communicators and the DDP hook on real multi-process jobs (gloo, CPU).
 
-Every layout is launched once through hybrid.launch (one torch elastic agent
+Every layout is launched once through hybrid.runtime.launch (one torch elastic agent
 per simulated node, c10d rendezvous) and runs all its cases inside that job;
 the tests below assert on what the ranks returned.
 """
@@ -8,11 +8,11 @@ the tests below assert on what the ranks returned.
 from __future__ import annotations
 
 import pytest
-
 import workers
 from once import once
-from hybrid.launch import launch_local
-from hybrid.topology import Layout
+
+from hybrid.core.topology import Layout
+from hybrid.runtime.launch import launch_local
 
 PARITY = {"steps": 10, "width": 64, "depth": 10, "bucket_cap_mb": 0.01}
 LONG = {"steps": 60, "width": 32, "depth": 8, "bucket_cap_mb": 0.004}  # 60 steps x >= 8 buckets per comm

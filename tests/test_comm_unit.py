@@ -5,9 +5,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from hybrid.comm import ALGORITHMS, CommGroups, group_kinds_for, make_communicator
-from hybrid.comm.base import SUPPORTED_DTYPES, Communicator
-from hybrid.topology import Topology
+from hybrid.core.comm import ALGORITHM_CLASSES, CommGroups, group_kinds_for, make_communicator
+from hybrid.core.comm.base import SUPPORTED_DTYPES, Communicator
+from hybrid.core.topology import Topology
 
 
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
@@ -51,7 +51,7 @@ def test_each_algorithm_needs_only_its_groups():
         group_kinds_for("ring", even)
 
 
-@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHM_CLASSES))
 def test_a_communicator_over_groups_it_does_not_have_names_them(algorithm):
     topo = Topology(0, ((0, 1), (2, 3)))
     others = {"flat": ["intra", "leaders", "cross"], "hierarchical": ["world"], "sharded": ["world", "leaders"]}
@@ -68,7 +68,7 @@ def test_flat_falls_back_to_sum_and_divides_where_the_transport_cannot_average(m
     """A torch whose gloo refuses ReduceOp.AVG: flat sums and divides itself, from then on."""
     import torch.distributed as dist
 
-    from hybrid.comm import FlatCommunicator
+    from hybrid.core.comm import FlatCommunicator
 
     calls = []
 
@@ -92,7 +92,7 @@ def test_flat_falls_back_to_sum_and_divides_where_the_transport_cannot_average(m
 def test_flat_lets_other_all_reduce_errors_through(monkeypatch):
     import torch.distributed as dist
 
-    from hybrid.comm import CommError, FlatCommunicator
+    from hybrid.core.comm import CommError, FlatCommunicator
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         raise RuntimeError("Connection closed by peer")

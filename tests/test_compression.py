@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hybrid.comm import CommSettings
-from hybrid.comm.compression import InterCompressor
+from hybrid.app.config import CommConfig
+from hybrid.core.comm.compression import InterCompressor
 
 
 @pytest.mark.parametrize("kind, wire", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
@@ -59,18 +59,18 @@ def test_low_precision_gradients_and_none_are_left_alone():
 
 @pytest.mark.parametrize("algorithm", ["hierarchical", "sharded"])
 def test_settings_accept_compression_for_the_two_level_algorithms(algorithm):
-    assert CommSettings(algorithm=algorithm, inter_compression="bf16").inter_compression == "bf16"
+    assert CommConfig(algorithm=algorithm, inter_compression="bf16").inter_compression == "bf16"
 
 
 @pytest.mark.parametrize("algorithm", ["flat", "ddp"])
 def test_settings_refuse_compression_where_there_is_no_inter_node_phase(algorithm):
     with pytest.raises(ValueError, match=rf"comm.inter_compression='fp16' .* comm={algorithm} has none: use none"):
-        CommSettings(algorithm=algorithm, inter_compression="fp16")
+        CommConfig(algorithm=algorithm, inter_compression="fp16")
 
 
 def test_settings_name_the_allowed_compressions():
     with pytest.raises(ValueError, match=r"comm.inter_compression='int8' is not one of none, bf16, fp16"):
-        CommSettings(inter_compression="int8")
+        CommConfig(inter_compression="int8")
 
 
 def test_residuals_move_through_a_state_dict_and_continue_exactly():
@@ -93,7 +93,7 @@ def test_residuals_move_through_a_state_dict_and_continue_exactly():
 def test_residuals_return_to_their_rank_only_into_a_run_of_the_same_signature():
     import torch.distributed as dist
 
-    from hybrid.error_feedback import ErrorFeedback, restore_residuals
+    from hybrid.app.error_feedback import ErrorFeedback, restore_residuals
 
     sig = {"comm": "sharded", "inter_compression": "bf16", "intra_mode": "process", "node_sizes": [1],
            "bucket_mb": 1.0, "chunk_bytes": 4096}

@@ -6,9 +6,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import hybrid.train  # noqa: F401  registers the schema (train_schema) with Hydra's ConfigStore
-from hybrid.comm import COMM_CHOICES, CommSettings
-from hybrid.config import TrainConfig, validate
+import hybrid.app.train  # noqa: F401  registers the schema (train_schema) with Hydra's ConfigStore
+from hybrid.app.config import COMM_ALGORITHMS, CommConfig, TrainConfig, validate
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in CONF.iterdir() if g.is_dir()}
@@ -34,14 +33,14 @@ def test_every_group_option_composes_into_typed_settings(group, option, tmp_path
 
 def test_the_groups_the_docs_promise_exist():
     assert {"cluster", "comm", "model", "data", "optim", "trainer"} <= set(GROUPS)
-    assert GROUPS["comm"] == sorted(COMM_CHOICES)
+    assert GROUPS["comm"] == sorted(COMM_ALGORITHMS)
     assert {"mlp", "cnn", "transformer"} <= set(GROUPS["model"])
 
 
-@pytest.mark.parametrize("choice", COMM_CHOICES)
+@pytest.mark.parametrize("choice", COMM_ALGORITHMS)
 def test_each_comm_config_is_valid_comm_settings(choice):
     cfg = compose_with(f"comm={choice}")
-    settings = CommSettings(**OmegaConf.to_container(cfg.comm, resolve=True))
+    settings = CommConfig(**OmegaConf.to_container(cfg.comm, resolve=True))
     assert settings.algorithm == choice
 
 
@@ -66,5 +65,5 @@ def test_stable_names_scripts_rely_on():
 )
 def test_bad_comm_settings_name_the_value_and_what_is_allowed(field, value, needle):
     with pytest.raises(ValueError) as err:
-        CommSettings(**{field: value})
+        CommConfig(**{field: value})
     assert needle in str(err.value)

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from hybrid.costmodel import Level, Model, calibrate, predict, predict_all
-from hybrid.topology import Layout
+from hybrid.core.costmodel import Level, Model, calibrate, predict, predict_all
+from hybrid.core.topology import Layout
 
 S = 25 * 2**20
 

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from hybrid.comm.counters import PHASES, PhaseCounters, allreduce_bytes, rooted_bytes
+from hybrid.core.comm.counters import PHASES, PhaseCounters, allreduce_bytes, rooted_bytes
 
 
 def test_ring_byte_formulas():

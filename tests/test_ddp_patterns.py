@@ -11,14 +11,14 @@ results with it if it ever does again.
 
 from __future__ import annotations
 
-import pytest
-
 import ddp_patterns
+import pytest
 from once import once
-from hybrid.launch import launch_local
-from hybrid.topology import Layout
 
-ALGORITHMS = ("flat", "hierarchical", "sharded")
+from hybrid.core.topology import Layout
+from hybrid.runtime.launch import launch_local
+
+ALGORITHM_CLASSES = ("flat", "hierarchical", "sharded")
 
 
 ALONE = ("several_models_in_one_backward",)
@@ -45,7 +45,7 @@ def test_hook_matches_plain_ddp_with_identical_replicas(pattern):
     for rank_result in results:
         (run,) = rank_result[pattern]
         assert run["ddp"]["identical_across_ranks"], "plain DDP itself diverged"
-        for algorithm in ALGORITHMS:
+        for algorithm in ALGORITHM_CLASSES:
             assert run[algorithm]["matches_ddp"] == "yes", (algorithm, rank_result["rank"], run[algorithm])
             assert run[algorithm]["identical_across_ranks"], (algorithm, rank_result["rank"])
             assert run[algorithm]["buckets"] >= MIN_BUCKETS.get(pattern, 1), (algorithm, run[algorithm])

@@ -1,4 +1,4 @@
-"""hybrid.launch: torchrun's environment per rank, errors surfaced, hung jobs stopped."""
+"""hybrid.runtime.launch: torchrun's environment per rank, errors surfaced, hung jobs stopped."""
 
 import os
 import time
@@ -6,11 +6,11 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+import launch_targets
 import pytest
 
-import launch_targets
-from hybrid.launch import LaunchError, launch_local
-from hybrid.topology import Layout
+from hybrid.core.topology import Layout
+from hybrid.runtime.launch import LaunchError, launch_local
 
 
 def processes_with_marker(marker: str) -> list[int]:

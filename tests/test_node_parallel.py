@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import train_workers
 from once import once
-from hybrid.config import TrainConfig, validate
-from hybrid.node_parallel import replica_topology
-from hybrid.topology import Topology
-from hybrid.trainer import load_dataset
+
+from hybrid.app.config import TrainConfig, validate
+from hybrid.app.node_parallel import replica_topology
+from hybrid.app.setup import load_dataset
+from hybrid.core.topology import Topology
 
 ROOT = Path(tempfile.mkdtemp(prefix="hybrid-node-parallel-tests-"))
 # 2 nodes x 2 devices, SGD with momentum; every step checks that all replicas are identical.
@@ -51,9 +51,9 @@ def compose(*overrides: str) -> TrainConfig:
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
-    from hybrid.train import CONF_DIR
+    from hybrid.app.config import packaged_conf_dir
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(packaged_conf_dir()), version_base="1.3"):
         return validate(OmegaConf.to_object(hydra_compose(config_name="config", overrides=list(overrides))))
 
 
@@ -66,7 +66,7 @@ def hybrid_train(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedP
 def job(mode: str) -> list[dict]:
     """Every plan of ``mode`` in one launch (workers start once), through the launcher ``python -m hybrid.train``
     uses (one process per node in thread mode); the results of every rank."""
-    from hybrid.train import launch_job
+    from hybrid.app.train import launch_job
 
     cfg = compose(*ARGS, f"cluster.intra_mode={mode}")
     load_dataset(cfg)  # generate the data once, before the ranks start
@@ -150,7 +150,7 @@ def test_replica_topology_numbers_replicas_as_process_mode_ranks():
 def test_an_in_process_replica_that_drifts_is_named_by_its_global_rank():
     import torch.distributed as dist
 
-    from hybrid.trainer import ReplicaDivergence, check_replicas
+    from hybrid.app.replicas import ReplicaDivergence, check_replicas
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -176,7 +176,7 @@ def test_bad_intra_mode_is_one_line_exit_2_and_writes_nothing(tmp_path):
 
 
 def test_thread_mode_with_another_comm_is_refused_in_one_line(tmp_path, monkeypatch):
-    from hybrid.cli_check import precheck
+    from hybrid.app.checks import precheck
 
     monkeypatch.chdir(tmp_path)
     assert precheck(["cluster.intra_mode=thread", "comm=flat"]) == (
@@ -186,7 +186,7 @@ def test_thread_mode_with_another_comm_is_refused_in_one_line(tmp_path, monkeypa
 
 
 def test_under_torchrun_thread_mode_wants_one_process_per_node(monkeypatch):
-    from hybrid.train import check_torchrun_layout
+    from hybrid.app.checks import check_torchrun_layout
 
     cfg = compose("cluster.intra_mode=thread", "cluster.nproc_per_node=4")
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from hybrid.comm.ordered_stream import OrderedStream
+from hybrid.core.comm.ordered_stream import OrderedStream
 
 
 def test_jobs_run_one_at_a_time_in_the_order_they_were_handed_over():
@@ -82,4 +82,45 @@ def test_a_stream_without_users_refuses_jobs_and_restarts_on_attach():
     stream.detach()
     stream.attach()
     assert stream.submit(lambda: "again").wait() == "again"
+    stream.detach()
+
+
+def test_a_failing_callback_fails_its_job_and_the_thread_keeps_serving():
+    """Whatever goes wrong around a job, its Future ends (DDP waits on it without a deadline)."""
+    stream = OrderedStream("test", timeout_s=5)
+    stream.attach()
+
+    def bad_start() -> None:
+        raise ValueError("trace broke")
+
+    first = stream.submit(lambda: "never", on_start=bad_start)
+    later = stream.submit(lambda: "also never")
+    with pytest.raises(ValueError, match="trace broke"):
+        first.wait()
+    with pytest.raises(RuntimeError, match="earlier collective on these groups failed: trace broke"):
+        later.wait()
+    assert stream.active
+    stream.detach()
+
+
+def test_a_user_who_comes_back_while_the_thread_drains_gets_the_same_thread():
+    stream = OrderedStream("test", timeout_s=5)
+    stream.attach()
+    release = threading.Event()
+    threads: list[threading.Thread] = []
+    stream.submit(lambda: (release.wait(5), threads.append(threading.current_thread())))
+    stream.detach(timeout_s=0.05)  # the last user leaves while a job still runs: the thread drains it
+    stream.attach()  # back before it has finished
+    release.set()
+    stream.submit(lambda: threads.append(threading.current_thread())).wait()
+    assert threads[0] is threads[1]
+    assert sum(t.name == "test" for t in threading.enumerate()) == 1
+    stream.detach()
+    assert not stream.active
+
+
+def test_call_on_the_streams_own_thread_runs_at_once():
+    stream = OrderedStream("test", timeout_s=5)
+    stream.attach()
+    assert stream.submit(lambda: stream.call(lambda: "inline")).wait() == "inline"
     stream.detach()

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-
 import reliability_targets
+import torch
 from test_launch import left_after
-from hybrid.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
-from hybrid.launch import launch_local
-from hybrid.testbed import testbed_available
-from hybrid.topology import Layout
+
+from hybrid.app.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
+from hybrid.core.topology import Layout
+from hybrid.runtime.launch import launch_local
+from hybrid.runtime.testbed import testbed_available
 
 IS_ROOT = os.geteuid() == 0
 TESTBED = testbed_available()

@@ -1,4 +1,4 @@
-"""hybrid.report on a sweep directory laid out as Hydra writes it (jobs made up here)."""
+"""hybrid.tools.report on a sweep directory laid out as Hydra writes it (jobs made up here)."""
 
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from hybrid.config import ClusterConfig, CommConfig, ModelConfig, TrainConfig
+from hybrid.app.config import ClusterConfig, CommConfig, ModelConfig, TrainConfig
 
 MB25 = 25 * 2**20
 

@@ -13,11 +13,11 @@ import sys
 import threading
 
 import pytest
-
 import testbed_targets
-from hybrid.launch import launch_local
-from hybrid.testbed import LinkShape, Testbed, cleanup_leftovers, testbed_available
-from hybrid.topology import Layout
+
+from hybrid.core.topology import Layout
+from hybrid.runtime.launch import launch_local
+from hybrid.runtime.testbed import LinkShape, Testbed, cleanup_leftovers, testbed_available
 
 REASON = testbed_available()
 needs_testbed = pytest.mark.skipif(REASON is not None, reason=f"testbed unavailable: {REASON}")
@@ -109,7 +109,7 @@ def test_two_testbeds_one_after_another_and_cleanup_on_error():
 def test_leftover_of_a_killed_run_is_detected_and_removed():
     # A child creates a testbed and is SIGKILLed: nothing of it can clean up.
     child = subprocess.Popen(
-        [sys.executable, "-c", "from hybrid.testbed import *; import sys, time\n"
+        [sys.executable, "-c", "from hybrid.runtime.testbed import *; import sys, time\n"
          "bed = Testbed(2, LinkShape(50)).__enter__(); print('ready', flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -155,7 +155,7 @@ def test_a_training_run_interrupted_mid_way_leaves_no_namespace(sig, tmp_path):
 
 
 def test_without_root_the_testbed_says_so(monkeypatch):
-    import hybrid.testbed as testbed
+    import hybrid.runtime.testbed as testbed
 
     monkeypatch.setattr(testbed.os, "geteuid", lambda: 1000)
     assert testbed.testbed_available() == "the network testbed needs root (running as uid 1000)"

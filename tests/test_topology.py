@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybrid.topology import Layout, RankInfo, WorkerEnv, build_topology
+from hybrid.core.topology import Layout, RankInfo, WorkerEnv, build_topology
 
 
 def infos_for(node_sizes, order=None):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.config import TrainConfig
-from hybrid.launch import free_port
+from hybrid.app.config import TrainConfig
+from hybrid.runtime.launch import free_port
 
 SMALL = ["trainer.max_steps=6", "trainer.log_every=3", "data.num_samples=1024", "model.width=32"]
 
@@ -91,7 +91,7 @@ BAD = [
     (["data=files", "data.inputs=/no/such/file.npy"], "data.inputs='/no/such/file.npy' does not exist"),
     (["optim.lr=fast"], "optim.lr: Value 'fast' of type 'str' could not be converted to Float"),
     (["comm.bucket_mb=big"], "comm.bucket_mb: Value 'big'"),
-    (["comm.typo=1"], "comm.typo: Key 'typo' not in 'CommSettings'"),
+    (["comm.typo=1"], "comm.typo: Key 'typo' not in 'CommConfig'"),
     (["trainer.device=cuda"], "trainer.device='cuda' but torch.cuda.is_available() is False"),
     (["trainer.resume=true"], "trainer.resume=true continues the run in hydra.run.dir"),
     (["trainer.resume=/no/such/run"], "'/no/such/run' does not exist or is not a directory"),
@@ -120,7 +120,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
 
 @pytest.mark.parametrize("args,needle", BAD)
 def test_every_bad_input_is_named_in_one_line_and_writes_nothing(args, needle, tmp_path, monkeypatch):
-    from hybrid.cli_check import precheck
+    from hybrid.app.checks import precheck
 
     monkeypatch.chdir(tmp_path)
     error = precheck(list(args))
@@ -152,7 +152,7 @@ def _bad_files(where: Path) -> dict[str, tuple[list[str], str]]:
 
 @pytest.mark.parametrize("case", ["shape", "dtype", "empty", "targets", "unreadable"])
 def test_bad_data_files_are_one_line_and_write_nothing(case, tmp_path_factory, monkeypatch):
-    from hybrid.cli_check import precheck
+    from hybrid.app.checks import precheck
 
     args, needle = _bad_files(tmp_path_factory.mktemp("files"))[case]
     cwd = tmp_path_factory.mktemp("cwd")
@@ -192,7 +192,7 @@ def test_help_lists_the_config_groups(tmp_path):
 def test_more_gpu_workers_than_gpus_is_refused(monkeypatch):
     import torch
 
-    from hybrid.train import check_devices
+    from hybrid.app.checks import check_devices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -234,7 +234,7 @@ def test_under_real_torchrun_two_agents_2x2_hierarchical(tmp_path):
 
 
 def test_torchrun_layout_conflicting_with_cluster_override_is_an_error(monkeypatch):
-    from hybrid.train import check_torchrun_layout
+    from hybrid.app.checks import check_torchrun_layout
 
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

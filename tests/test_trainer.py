@@ -8,15 +8,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 import train_workers
 from once import once
-from hybrid.checkpoint import load_checkpoint, save_checkpoint
-from hybrid.config import ClusterConfig, CommConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig, TrainerConfig
-from hybrid.data import ArrayDataset, BatchStream, DatasetSpec, check_arrays, ensure_synthetic
-from hybrid.launch import launch_local
-from hybrid.optim import lr_factor
-from hybrid.trainer import load_dataset
+
+from hybrid.app.checkpoint import load_checkpoint, save_checkpoint
+from hybrid.app.config import (
+    ClusterConfig,
+    CommConfig,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    TrainerConfig,
+)
+from hybrid.app.data import ArrayDataset, BatchStream, DatasetSpec, check_arrays, ensure_synthetic
+from hybrid.app.optim import lr_factor
+from hybrid.app.setup import load_dataset
+from hybrid.runtime.launch import launch_local
 
 ROOT = Path(tempfile.mkdtemp(prefix="hybrid-trainer-tests-"))
 
@@ -134,7 +142,7 @@ def test_twenty_steps_plus_resume_equals_forty_straight_bitwise():
     assert straight["step"] == resumed["step"] == 40
     for key in straight["model"]:
         assert torch.equal(straight["model"][key], resumed["model"][key]), key
-    for (k1, s1), (k2, s2) in zip(straight["optimizer"]["state"].items(), resumed["optimizer"]["state"].items()):
+    for (_, s1), (_, s2) in zip(straight["optimizer"]["state"].items(), resumed["optimizer"]["state"].items()):
         assert torch.equal(s1["momentum_buffer"], s2["momentum_buffer"])
     assert results["resumed"]["steps_run"] == 20 and results["straight"]["steps_run"] == 40
     assert results["resumed"]["param_checksum"] == results["straight"]["param_checksum"]
@@ -246,7 +254,7 @@ def test_checkpoint_is_atomic_and_weights_only(tmp_path):
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
 def test_each_model_trains_on_its_synthetic_data(name, tmp_path):
-    from hybrid.models import build_model, param_bytes
+    from hybrid.app.models import build_model, param_bytes
 
     cfg = TrainConfig(model=ModelConfig(name=name, width=32, depth=2, channels=8, heads=4),
                       data=DataConfig(root=str(tmp_path), num_samples=64, seq_len=16, vocab_size=32))
@@ -279,7 +287,7 @@ def test_users_npy_and_pt_files_are_accepted(tmp_path):
 
 
 def test_adamw_is_available():
-    from hybrid.optim import build_optimizer
+    from hybrid.app.optim import build_optimizer
 
     opt = build_optimizer([torch.nn.Parameter(torch.ones(2))], OptimConfig(name="adamw", lr=1e-3, weight_decay=0.01))
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["weight_decay"] == 0.01

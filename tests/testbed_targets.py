@@ -6,7 +6,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hybrid.distributed import init_distributed, shutdown_distributed
+from hybrid.runtime.distributed import init_distributed, shutdown_distributed
 
 
 def timed_allreduce(nbytes: int, repeats: int) -> dict:

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from hybrid.config import TrainConfig
-from hybrid.distributed import init_distributed, shutdown_distributed
-from hybrid.metrics import NullMetrics
-from hybrid.topology import discover_topology
-from hybrid.trainer import train_on_rank
+from hybrid.app.config import TrainConfig
+from hybrid.app.metrics import NullMetrics
+from hybrid.app.trainer import train_on_rank
+from hybrid.core.topology import discover_topology
+from hybrid.runtime.distributed import init_distributed, shutdown_distributed
 
 
 def runs(base: TrainConfig, root: str, plan: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hybrid.comm import (
-    ALGORITHMS,
+from hybrid.core.comm import (
+    ALGORITHM_CLASSES,
     AutoCommunicator,
     CommError,
     CommGroups,
@@ -26,10 +26,10 @@ from hybrid.comm import (
     make_communicator,
     register_comm_hook,
 )
-from hybrid.comm.counters import allreduce_bytes, rooted_bytes
-from hybrid.costmodel import Level, Model
-from hybrid.distributed import init_distributed, shutdown_distributed
-from hybrid.topology import Layout, Topology, discover_topology
+from hybrid.core.comm.counters import allreduce_bytes, rooted_bytes
+from hybrid.core.costmodel import Level, Model
+from hybrid.core.topology import Layout, Topology, discover_topology
+from hybrid.runtime.distributed import init_distributed, shutdown_distributed
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 SIZES = (0, 1, 7, 2**20 + 3)
@@ -67,7 +67,7 @@ def case_collectives(topo: Topology, groups: CommGroups, params: dict) -> dict[s
     runs_as: dict[str, str] = {}
     digests: list[str] = []
     world = topo.world_size
-    for alg in ALGORITHMS:
+    for alg in ALGORITHM_CLASSES:
         comm = make_communicator(alg, groups)
         runs_as[alg] = comm.name
         for dtype in DTYPES:
@@ -127,7 +127,7 @@ def case_collectives(topo: Topology, groups: CommGroups, params: dict) -> dict[s
                     failures.append(f"{alg}/chunk12/{dtype}/n={size} rank {topo.rank}: differs from flat all-reduce")
     # Flat's split path (head + 1/8 tail, all-reduced together) normally starts at
     # 32 MiB; lowered here so small tensors take it.
-    import hybrid.comm.flat as flat_module
+    import hybrid.core.comm.flat as flat_module
 
     # Both ways flat averages: in the transport (gloo's AVG) and by our own division after a SUM
     # (NCCL, or a torch without gloo AVG), each also through the DDP hook's asynchronous path.
@@ -163,7 +163,7 @@ def case_counters(topo: Topology, groups: CommGroups, params: dict) -> list[str]
     numel = 1000
     nbytes = numel * 4
     local, nnodes, world = topo.local_world_size, topo.nnodes, topo.world_size
-    for alg in ALGORITHMS:
+    for alg in ALGORITHM_CLASSES:
         counters = PhaseCounters()
         comm = make_communicator(alg, groups, counters)
         comm.all_reduce_mean_(torch.ones(numel))
@@ -243,7 +243,7 @@ def case_ddp(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]
     cap = params.get("bucket_cap_mb", 0.01)
     torch.manual_seed(0)
     base = Net(width, depth)
-    comms = params.get("comms", ["ddp", *ALGORITHMS])
+    comms = params.get("comms", ["ddp", *ALGORITHM_CLASSES])
     runs = {name: train_ddp(name, groups, base, steps, width, cap, seed=1) for name in comms}
     out: dict[str, Any] = {}
     for name, run in runs.items():
@@ -281,7 +281,7 @@ def case_timeout(topo: Topology, groups: CommGroups, params: dict) -> dict[str, 
     timeout_s = params.get("comm_timeout_s", 2.0)
     silent = topo.world_size - 1
     out: dict[str, Any] = {}
-    for alg in ALGORITHMS:
+    for alg in ALGORITHM_CLASSES:
         fresh = CommGroups.build(topo, timeout_s=timeout_s)
         comm = make_communicator(alg, fresh)
         if topo.rank != silent:
@@ -450,7 +450,7 @@ def case_overlap(topo: Topology, groups: CommGroups, params: dict) -> dict[str, 
     """Per comm and step: whether an earlier bucket finished reducing before backward produced the last one."""
     steps, width, depth = params.get("steps", 4), params.get("width", 32), params.get("depth", 8)
     out: dict[str, Any] = {}
-    for comm_name in params.get("comms", list(ALGORITHMS)):
+    for comm_name in params.get("comms", list(ALGORITHM_CLASSES)):
         gate = _Gate(params.get("timeout_s", 30.0))  # generous: it returns as soon as a bucket is done
         torch.manual_seed(0)
         model = DDP(GatedNet(width, depth, gate), bucket_cap_mb=params.get("bucket_cap_mb", 0.004),

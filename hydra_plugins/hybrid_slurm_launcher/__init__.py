@@ -1,4 +1,4 @@
-"""hybrid's submitit launchers (see :mod:`hybrid.slurm_launcher`), where Hydra looks for launchers.
+"""hybrid's submitit launchers (see :mod:`hybrid.app.slurm_launcher`), where Hydra looks for launchers.
 
 Hydra instantiates a launcher only from the ``hydra_plugins`` namespace and
 imports every module in it at start-up, so this one must import cleanly when
@@ -6,7 +6,7 @@ hydra-submitit-launcher is missing (``pip install 'hybrid[slurm]'`` brings it).
 """
 
 try:
-    from hybrid.slurm_launcher import PerJobResources
+    from hybrid.app.slurm_launcher import PerJobResources
 except ImportError:  # hydra-submitit-launcher is not installed: no launcher to offer
     __all__: list[str] = []
 else:

@@ -1,0 +1,179 @@
+"""Turn bad command-line input into one line, before Hydra starts writing anything.
+
+Hydra reports composition and type errors over several lines with a stack
+trace hint, and only after creating the run directory. :func:`precheck`
+composes the same config with Hydra's compose API first and returns a single
+line naming the bad key or value and what is allowed (or ``None`` if all is
+well), so ``main`` can exit 2 with nothing written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hybrid.app.checkpoint import CHECKPOINT_NAME, checkpoint_steps, latest_manifest
+from hybrid.app.config import TrainConfig, packaged_conf_dir, resume_continues_this_run, resume_target, validate
+from hybrid.app.setup import load_dataset
+from hybrid.runtime.slurm import in_submitit_task
+from hybrid.runtime.testbed import testbed_available
+
+__all__ = ["check_devices", "check_resume", "check_run_dir", "check_testbed", "check_torchrun_layout",
+           "one_line_error", "precheck", "prepare", "under_torchrun"]
+
+# The schema every config and override is checked against (conf/config.yaml lists it in its defaults).
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def check_torchrun_layout(cfg: TrainConfig, overrides: list[str]) -> None:
+    """Under torchrun the layout is torchrun's; an explicit cluster.* override must agree."""
+    actual = {"nnodes": os.environ.get("GROUP_WORLD_SIZE"), "nproc_per_node": os.environ.get("LOCAL_WORLD_SIZE")}
+    if cfg.cluster.intra_mode == "thread":
+        # One process per node; cluster.nproc_per_node counts the devices (replicas) it drives.
+        if actual.pop("nproc_per_node") not in (None, "1"):
+            raise ValueError(
+                f"cluster.intra_mode=thread runs one process per node that drives its devices: start torchrun with "
+                f"--nproc-per-node 1 (it has {os.environ['LOCAL_WORLD_SIZE']}) and give cluster.nproc_per_node"
+            )
+    for key, value in actual.items():
+        given = any(o.split("=", 1)[0].lstrip("+~") == f"cluster.{key}" for o in overrides)
+        if given and value is not None and int(value) != getattr(cfg.cluster, key):
+            raise ValueError(
+                f"cluster.{key}={getattr(cfg.cluster, key)} conflicts with torchrun's {key} ({value}): "
+                "drop the override or change the torchrun arguments"
+            )
+
+
+def check_testbed(cfg: TrainConfig) -> None:
+    if not cfg.cluster.testbed.enabled:
+        return
+    if under_torchrun():
+        raise ValueError("cluster.testbed.enabled=true starts its own nodes: run it without torchrun")
+    if in_submitit_task():
+        raise ValueError("cluster.testbed.enabled=true starts its own nodes: run it without hydra/launcher=slurm")
+    reason = testbed_available()
+    if reason:
+        raise ValueError(f"cluster.testbed.enabled=true but {reason}")
+
+
+def check_devices(cfg: TrainConfig) -> None:
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device='cuda' but torch.cuda.is_available() is False: use auto or cpu")
+    uses_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    if uses_cuda and not under_torchrun() and cfg.cluster.nproc_per_node > torch.cuda.device_count():
+        raise ValueError(
+            f"cluster.nproc_per_node={cfg.cluster.nproc_per_node} but this node has "
+            f"{torch.cuda.device_count()} GPU(s): one worker per GPU"
+        )
+
+
+def _holds_something(path: Path) -> bool:
+    """A file, or a directory with anything in it (an empty one, e.g. ``checkpoints`` linked to a bigger
+    volume before the first run, holds no earlier run)."""
+    return path.is_file() or (path.is_dir() and any(path.iterdir()))
+
+
+def check_run_dir(run_dir: Path, resume: Any) -> None:
+    """Never write into an earlier run's directory, unless resuming that very run."""
+    earlier = [name for name in ("metrics.json", "checkpoints", "tb") if _holds_something(run_dir / name)]
+    if earlier and resume_target(resume, run_dir) != run_dir.resolve():
+        raise ValueError(
+            f"run dir {str(run_dir)!r} already holds a run ({', '.join(earlier)}): choose another "
+            "hydra.run.dir, or trainer.resume=true to continue it"
+        )
+
+
+def prepare(cfg: TrainConfig) -> None:
+    """Checks that need the data and devices; also generates synthetic data once, up front."""
+    check_testbed(cfg)
+    check_devices(cfg)
+    load_dataset(cfg)
+
+
+def check_resume(resume: object, run_dir: Path | None, model_config: dict | None = None) -> None:
+    """The run to resume must exist, be a hybrid run, and hold the same model, before any worker starts."""
+    if resume_continues_this_run(resume) and run_dir is None:
+        raise ValueError(
+            "trainer.resume=true continues the run in hydra.run.dir: also give "
+            "hydra.run.dir=<the earlier run's directory> (or trainer.resume=<that directory>)"
+        )
+    target = resume_target(resume, run_dir or Path("."))
+    if target is None:
+        return
+    if not target.is_dir():
+        raise ValueError(f"trainer.resume={str(resume)!r}: {str(target)!r} does not exist or is not a directory")
+    directory = target / "checkpoints"
+    if not checkpoint_steps(directory) and not (directory / CHECKPOINT_NAME).is_file():
+        raise ValueError(
+            f"trainer.resume={str(resume)!r}: {str(target)!r} has no checkpoints/{CHECKPOINT_NAME} "
+            "(not a finished or checkpointed hybrid run)"
+        )
+    saved = (latest_manifest(target) or {}).get("model_config")
+    if model_config is not None and saved is not None and saved != model_config:
+        diff = ", ".join(f"model.{k}={saved.get(k)!r} there, {v!r} here"
+                         for k, v in model_config.items() if saved.get(k) != v)
+        raise ValueError(f"trainer.resume={str(resume)!r} holds a different model: {diff}")
+
+
+def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    task, hydra_overrides = [], {}
+    for arg in argv:
+        key = arg.split("=", 1)[0]
+        if key.startswith(("hydra.", "hydra/")) or key == "hydra":
+            hydra_overrides[key] = arg.split("=", 1)[1] if "=" in arg else ""
+        else:
+            task.append(arg)
+    return task, hydra_overrides
+
+
+def one_line_error(exc: BaseException, conf_dir: Path) -> str:
+    text = str(exc)
+    missing = re.search(r"Could not find '([\w/]+)/([^']+)'", text)
+    if missing:
+        group, choice = missing.groups()
+        options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+        return f"{group}={choice!r} is not one of {', '.join(options)}"
+    cause = exc.__cause__ or exc
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        msg = getattr(cause, "msg", str(cause)).strip().splitlines()[0]
+        return f"{cause.full_key}: {msg}"
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return " ".join(lines[:2]) if lines else type(exc).__name__
+
+
+def precheck(argv: list[str], conf_dir: Path | None = None) -> str | None:
+    """Compose, type-check and validate the config of ``argv``; return an error line or None."""
+    conf_dir = conf_dir or packaged_conf_dir()
+    if any(arg.startswith("-") for arg in argv):
+        return None  # --help, --cfg, -m ...: Hydra's own modes
+    task, hydra_overrides = _split(argv)
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=task)
+        settings = validate(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
+        if under_torchrun():
+            check_torchrun_layout(settings, task)
+        run_dir = hydra_overrides.get("hydra.run.dir")
+        if run_dir:
+            check_run_dir(Path(run_dir), settings.trainer.resume)
+        check_resume(settings.trainer.resume, Path(run_dir) if run_dir else None, asdict(settings.model))
+        prepare(settings)
+    except (HydraException, OmegaConfBaseException) as exc:
+        return one_line_error(exc, conf_dir)
+    except ValueError as exc:
+        return str(exc).strip().splitlines()[0]
+    return None

@@ -1,0 +1,99 @@
+"""The training loop: one step function, the loop around it, and the checkpoints it writes.
+
+Process and thread mode share all of it; they differ only in the
+:class:`~hybrid.app.replicas.Replicas` they hand in. Gradients are averaged
+(identical on every rank) before the step, so every decision here, such as
+skipping a step with non-finite gradients, is taken alike on every rank
+without talking.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybrid.app import error_feedback
+from hybrid.app.checkpoint import save_checkpoint
+from hybrid.app.config import ModelConfig, TrainerConfig
+from hybrid.app.data import BatchStream
+from hybrid.app.replicas import Replicas, check_replicas, grads_finite
+from hybrid.app.run_metrics import MetricsProcessor
+
+__all__ = ["Checkpointer", "train_loop", "train_step"]
+
+
+def train_step(replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: Any, trainer: TrainerConfig,
+               grads_as_bucket_views: bool, step: int, processor: MetricsProcessor) -> torch.Tensor:
+    """Forward, backward (gradients averaged over all ranks), optimizer and schedule step; returns the loss.
+
+    Non-finite averaged gradients skip the step or stop the run (``trainer.nonfinite_grads``)."""
+    total_loss = replicas.forward_backward(trainer.grad_accum_steps)
+    if grads_finite(replicas.module):
+        optimizer.step()
+    elif trainer.nonfinite_grads == "skip":
+        processor.step_skipped(step + 1)
+    else:
+        raise FloatingPointError(
+            f"step {step + 1}: non-finite (inf/NaN) gradients after averaging over all ranks; stopping "
+            "(trainer.nonfinite_grads=skip would skip such steps)"
+        )
+    scheduler.step()
+    # With gradients as bucket views, zeroing in place keeps them views: backward then accumulates straight
+    # into DDP's buckets. Setting them to None would make autograd allocate fresh gradients each step and DDP
+    # copy them into the buckets again (its own no-hook path fuses the averaging into that copy; a comm hook
+    # cannot, so it would pay one more pass over the gradients than DDP). Every parameter of our models gets
+    # a gradient every step, so zeros and None give the same update.
+    optimizer.zero_grad(set_to_none=not grads_as_bucket_views)
+    replicas.end_step()
+    return total_loss
+
+
+class Checkpointer:
+    """Writes the run's checkpoints (rank 0), with every rank's error-feedback residuals gathered to it."""
+
+    def __init__(self, run_path: Path, trainer: TrainerConfig, model_config: ModelConfig, world_size: int,
+                 rank: int, feedback: error_feedback.ErrorFeedback | None) -> None:
+        self.directory, self.keep = run_path / "checkpoints", trainer.keep_checkpoints
+        self.meta = {"model_config": asdict(model_config), "world_size": world_size}
+        self.rank, self.feedback = rank, feedback
+
+    def save(self, step: int, replicas: Replicas, optimizer: Any, scheduler: Any, stream: BatchStream) -> None:
+        """Collective (the residuals' gather); only rank 0 writes."""
+        residuals = self.feedback.gather() if self.feedback is not None else None
+        if self.rank != 0:
+            return
+        if self.feedback is not None and residuals is None:  # the writer must be the default group's rank 0
+            raise RuntimeError(f"rank {self.rank} writes checkpoints but is rank {dist.get_rank()} of the "
+                               "default group, where the error-feedback residuals were gathered")
+        extra = {error_feedback.CHECKPOINT_KEY: residuals} if residuals is not None else {}
+        save_checkpoint(self.directory, {
+            "model": replicas.module.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "step": step, "data": stream.state(),
+            "rng": torch.get_rng_state(), **self.meta, **extra,
+        }, step, keep=self.keep, meta=self.meta)
+
+
+def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: Any,
+               stream: BatchStream, processor: MetricsProcessor, checkpointer: Checkpointer, start_step: int,
+               grads_as_bucket_views: bool, device: torch.device) -> int:
+    """Steps ``start_step`` .. the last one (``max_steps``, or ``stop_after`` steps on); checks replicas and
+    writes checkpoints on schedule and at the end. Returns the last step."""
+    last = trainer.max_steps if not trainer.stop_after else min(trainer.max_steps, start_step + trainer.stop_after)
+    for step in range(start_step, last):
+        started = time.perf_counter()
+        loss = train_step(replicas, optimizer, scheduler, trainer, grads_as_bucket_views, step, processor)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # honest step time; this is a local wait, not a collective
+        done = step + 1
+        processor.step_done(done, loss, time.perf_counter() - started, scheduler.get_last_lr()[0], last)
+        if trainer.check_replicas_every and done % trainer.check_replicas_every == 0:
+            check_replicas(replicas.local_models(), done)
+        if trainer.checkpoint_every and done % trainer.checkpoint_every == 0 and done < last:
+            checkpointer.save(done, replicas, optimizer, scheduler, stream)
+    checkpointer.save(last, replicas, optimizer, scheduler, stream)
+    return last

@@ -1,0 +1,109 @@
+"""What the training loop steps: this rank's DDP model, or (thread mode) a node's replicas; and the checks that
+every replica still holds the same parameters."""
+
+from __future__ import annotations
+
+import hashlib
+from contextlib import nullcontext
+from typing import Any, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hybrid.app.data import BatchStream
+
+__all__ = ["RankReplica", "ReplicaDivergence", "Replicas", "check_replicas", "grads_finite", "loss_of",
+           "param_checksum"]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``model(x)`` against ``y`` (per token for sequence models)."""
+    out = model(x)
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+class Replicas(Protocol):
+    """What the loop steps: this rank's DDP model (:class:`RankReplica`), or a node's replicas driven by
+    one process (``cluster.intra_mode=thread``, :class:`hybrid.app.node_parallel.NodeReplicas`)."""
+
+    module: nn.Module  # the parameters the optimizer steps, checkpoints and checksums see
+
+    def forward_backward(self, accum: int) -> torch.Tensor:
+        """Every micro-step of one step, leaving gradients averaged over all ranks in ``module``;
+        returns this (leading) rank's loss, summed over the micro-steps."""
+
+    def end_step(self) -> None:
+        """After the optimizer step (taken or skipped) and zero_grad."""
+
+    def local_models(self) -> list[nn.Module]:
+        """The replicas this process holds, in global rank order."""
+
+
+class RankReplica:
+    """Process mode: one replica per process, this rank's model under DDP."""
+
+    def __init__(self, ddp: DDP, stream: BatchStream, device: torch.device) -> None:
+        self.ddp, self.stream, self.device = ddp, stream, device
+
+    @property
+    def module(self) -> nn.Module:
+        return self.ddp.module
+
+    def forward_backward(self, accum: int) -> torch.Tensor:
+        total_loss = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            x, y = next(self.stream)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            # Only the last micro-step synchronises gradients.
+            with self.ddp.no_sync() if micro < accum - 1 else nullcontext():
+                loss = loss_of(self.ddp, x, y) / accum
+                loss.backward()
+            total_loss += loss.detach()
+        return total_loss
+
+    def end_step(self) -> None:
+        pass  # every rank stepped its own replica with the same averaged gradients
+
+    def local_models(self) -> list[nn.Module]:
+        return [self.ddp.module]
+
+
+def param_checksum(model: nn.Module) -> str:
+    """sha256 over the exact bits of every parameter: equal strings mean bit-identical replicas."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def grads_finite(model: nn.Module) -> bool:
+    """True if no gradient holds inf or NaN (one reduction per tensor, one sync)."""
+    sums = [p.grad.sum() for p in model.parameters() if p.grad is not None]
+    return not sums or bool(torch.stack(sums).isfinite().all())
+
+
+class ReplicaDivergence(RuntimeError):
+    """Ranks that should hold identical parameters do not."""
+
+
+def check_replicas(model: nn.Module | Sequence[nn.Module], step: int) -> None:
+    """Compare parameter checksums across ranks; raise on every rank, naming the ranks that differ.
+
+    ``model`` may be this process's replicas in global rank order (intra_mode=thread: a node's
+    replicas, one process per node): ranks are then numbered across all of them."""
+    mine = [param_checksum(m) for m in ([model] if isinstance(model, nn.Module) else model)]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    every = [digest for digests in gathered for digest in digests]
+    groups: dict[str, list[int]] = {}
+    for r, digest in enumerate(every):
+        groups.setdefault(digest, []).append(r)
+    if len(groups) > 1:
+        majority = max(groups.values(), key=len)
+        diverged = sorted(r for ranks in groups.values() if ranks is not majority for r in ranks)
+        raise ReplicaDivergence(
+            f"step {step}: replicas diverged: rank(s) {diverged} hold parameters different from "
+            f"rank(s) {majority}; stopping (trainer.check_replicas_every)"
+        )

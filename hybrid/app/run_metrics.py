@@ -1,0 +1,177 @@
+"""The metrics processor: what a run logs while it trains and the ``metrics.json`` / HParams it ends with.
+
+The loop hands it each finished step (loss, seconds, learning rate) and the
+communicator's phase counters; it keeps the totals, sends scalars and status
+lines every ``trainer.log_every`` steps (rank 0's writer; a null one
+elsewhere), and at the end gathers every process's parameter checksums and
+peak memory into one result, written atomically to ``metrics.json`` and
+logged as HParams with the same keys in every run of a sweep.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybrid.app.config import TrainConfig
+from hybrid.app.metrics import Metrics, write_json_atomic
+from hybrid.app.models import param_bytes
+from hybrid.app.replicas import param_checksum
+from hybrid.core.comm import MODEL_LEVELS, PHASES, AutoCommunicator, Communicator, PhaseCounters
+from hybrid.core.topology import Topology
+
+__all__ = ["MetricsProcessor", "describe_auto_calibration", "log_auto_decisions", "runs_as"]
+
+
+def describe_auto_calibration(comm: AutoCommunicator) -> str:
+    """One status line: what auto measured at start-up (or that it had nothing to choose from)."""
+    if comm.model is None:
+        return f"comm=auto: only {comm.candidates[0]} applies to this layout; no calibration"
+
+    def level(lv: Any) -> str:
+        rate = "bandwidth unresolved" if lv.gbit_per_s is None else f"{lv.gbit_per_s:.3g} Gbit/s"
+        return f"alpha {lv.alpha_s * 1e6:.0f} us, {rate}"
+
+    levels = "; ".join(f"{name} {level(lv)}" for name in MODEL_LEVELS if (lv := getattr(comm.model, name)) is not None)
+    # Without a measured cross level, sharded is priced by spreading the inter level over the NICs.
+    nics = "" if comm.model.sharded_inter is not None else f"; {comm.model.nics_per_node} NIC(s) per node for sharded"
+    return (f"comm=auto calibrated in {comm.calibration_s:.2f} s: {levels}{nics}; choosing among "
+            f"{', '.join(comm.candidates)} per bucket size")
+
+
+def _bucket_kind(d: dict[str, Any]) -> str:
+    """A decision's bucket: its bytes, and its dtype where that is not fp32 (auto decides per both)."""
+    return f"{d['bytes']}B" + ("" if d["dtype"] == "float32" else f"_{d['dtype']}")
+
+
+def log_auto_decisions(comm: AutoCommunicator, metrics: Metrics, step: int, logged: set[str]) -> None:
+    """Send decisions not yet in ``logged`` (bucket kinds: bytes, and dtype where not fp32) to TensorBoard:
+    predicted ms per candidate as scalars, and one text table of every decision so far."""
+    report = comm.report()["decisions"]
+    new = [d for d in report if _bucket_kind(d) not in logged]
+    if not new:
+        return
+    for d in new:
+        logged.add(_bucket_kind(d))
+        tag = f"comm_auto/{_bucket_kind(d)}"
+        metrics.scalars(step, {f"{tag}/predicted_{alg}_ms": s * 1e3 for alg, s in d["predicted_s"].items()})
+        metrics.status(f"comm=auto: {d['bytes'] / 2**20:.2f} MiB {d['dtype']} buckets -> {d['chosen']} (predicted "
+                       + ", ".join(f"{a} {s * 1e3:.1f} ms" for a, s in d["predicted_s"].items()) + ")")
+    rows = [f"| {d['bytes']} | {d['dtype']} | {d['chosen']} | " + " | ".join(
+        f"{d['predicted_s'][a] * 1e3:.2f}" if a in d["predicted_s"] else "-" for a in comm.candidates) + " |"
+        for d in report]
+    table = "\n".join([f"| bucket bytes | dtype | chosen | {' | '.join(f'{a} ms' for a in comm.candidates)} |",
+                       "|" + " --- |" * (3 + len(comm.candidates)), *rows])
+    metrics.text("comm_auto/decisions", table, step)
+
+
+def runs_as(comm: Communicator | None, algorithm: str) -> str:
+    """What actually ran: the algorithm (after any fallback), or auto's choices by bucket size."""
+    if comm is None:
+        return algorithm
+    if isinstance(comm, AutoCommunicator):
+        return ",".join(f"{d['bytes']}{'' if d['dtype'] == 'float32' else '_' + d['dtype']}:{d['chosen']}"
+                        for d in comm.report()["decisions"]) or "auto"
+    return comm.name
+
+
+class MetricsProcessor:
+    """Per-step logging and the run's final result (see the module's docstring)."""
+
+    def __init__(self, cfg: TrainConfig, topology: Topology, metrics: Metrics, counters: PhaseCounters,
+                 comm: Communicator | None = None) -> None:
+        self.cfg, self.topology, self.metrics, self.counters, self.comm = cfg, topology, metrics, counters, comm
+        self.samples_per_step = cfg.data.batch_size * cfg.trainer.grad_accum_steps * topology.world_size
+        self.totals = {p: [0.0, 0] for p in PHASES}
+        self.step_times: list[float] = []
+        self.skipped = 0
+        self.loss = float("nan")
+        self._interval_start, self._interval_steps = time.perf_counter(), 0
+        self._auto_logged: set[str] = set()
+
+    def step_skipped(self, step: int) -> None:
+        self.skipped += 1
+        self.metrics.status(f"step {step}: non-finite gradients, step skipped ({self.skipped} so far)")
+
+    def step_done(self, done: int, loss: torch.Tensor, seconds: float, lr: float, last: int) -> None:
+        """Account step ``done`` (1-based); every ``log_every`` steps and at ``last``, log it."""
+        self.step_times.append(seconds)
+        self._interval_steps += 1
+        phases = self.counters.snapshot(reset=True)
+        for name, stats in phases.items():
+            self.totals[name][0] += stats.seconds
+            self.totals[name][1] += stats.bytes
+        if done % self.cfg.trainer.log_every and done != last:
+            return
+        self.loss = float(loss)  # the only host sync of the loss: at a log step
+        rate = self.samples_per_step * self._interval_steps / (time.perf_counter() - self._interval_start)
+        values = {"train/loss": self.loss, "train/lr": lr, "train/samples_per_s": rate, "train/step_time_s": seconds}
+        for name, stats in phases.items():
+            values[f"comm/{name}_s"] = stats.seconds
+            values[f"comm/{name}_bytes"] = float(stats.bytes)
+        self.metrics.scalars(done, values)
+        if isinstance(self.comm, AutoCommunicator):
+            log_auto_decisions(self.comm, self.metrics, done, self._auto_logged)
+        self.metrics.status(f"step {done}/{self.cfg.trainer.max_steps}  loss {self.loss:.4f}  lr {lr:.4g}  "
+                            f"{rate:.0f} samples/s  {seconds * 1e3:.1f} ms/step")
+        self._interval_start, self._interval_steps = time.perf_counter(), 0
+
+    def finish(self, local_models: list[nn.Module], leader: nn.Module, last: int, device: torch.device,
+               run_path: Path, rank: int) -> dict[str, Any] | None:
+        """Gather every process's checksums and peak memory (collective); rank 0 writes metrics.json and the
+        HParams and returns the result, the others None."""
+        checksums = [param_checksum(m) for m in local_models]
+        # Linux reports the peak resident set in KiB: the high-water mark of this worker process.
+        peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        gathered: list[Any] = [None] * dist.get_world_size()  # processes: one per rank, or per node (thread mode)
+        dist.all_gather_object(gathered, (checksums, peak_rss_mb))
+        if rank != 0:
+            return None
+        all_checksums = [c for g in gathered for c in g[0]]
+        result = {**self._run_facts(last), **self._speed(), "peak_rss_mb": [g[1] for g in gathered],
+                  "param_checksum": checksums[0], "param_checksums_identical": len(set(all_checksums)) == 1,
+                  "param_bytes": param_bytes(leader), "device": str(device), "run_dir": str(run_path)}
+        if isinstance(self.comm, AutoCommunicator):
+            result["comm_auto"] = self.comm.report()
+        self._log_hparams(result)
+        write_json_atomic(run_path / "metrics.json", result)
+        return result
+
+    def _run_facts(self, last: int) -> dict[str, Any]:
+        cfg, topo = self.cfg, self.topology
+        return {
+            "comm": cfg.comm.algorithm, "inter_compression": cfg.comm.inter_compression, "nnodes": topo.nnodes,
+            "nproc_per_node": topo.node_sizes[0] if topo.is_uniform else list(topo.node_sizes),
+            "world_size": topo.world_size, "steps": last, "steps_run": len(self.step_times),
+            "final_loss": self.loss, "samples_per_step": self.samples_per_step, "skipped_steps": self.skipped,
+            "comm_s": {k: v[0] for k, v in self.totals.items()}, "bytes": {k: v[1] for k, v in self.totals.items()},
+            "intra_mode": cfg.cluster.intra_mode, "model": cfg.model.name, "bucket_mb": cfg.comm.bucket_mb,
+            "batch_size": cfg.data.batch_size, "runs_as": runs_as(self.comm, cfg.comm.algorithm),
+        }
+
+    def _speed(self) -> dict[str, float]:
+        timed = self.step_times[1:] or self.step_times  # the first step includes warm-up
+        mean_step = sum(timed) / len(timed) if timed else float("nan")
+        return {"samples_per_s": self.samples_per_step / mean_step if timed else float("nan"),
+                "mean_step_s": mean_step, "median_step_s": statistics.median(timed) if timed else float("nan")}
+
+    def _log_hparams(self, result: dict[str, Any]) -> None:
+        cfg = self.cfg
+        self.metrics.hparams(
+            {"nnodes": result["nnodes"], "nproc_per_node": str(result["nproc_per_node"]),
+             "world_size": result["world_size"], "comm": result["comm"], "intra_mode": cfg.cluster.intra_mode,
+             "bucket_mb": cfg.comm.bucket_mb,
+             "inter_compression": cfg.comm.inter_compression, "runs_as": result["runs_as"],
+             "model": cfg.model.name, "width": cfg.model.width, "depth": cfg.model.depth,
+             "param_bytes": result["param_bytes"], "batch_size": cfg.data.batch_size,
+             "optimizer": cfg.optim.name, "lr": cfg.optim.lr},
+            {"final_loss": self.loss, "samples_per_s": result["samples_per_s"], "mean_step_s": result["mean_step_s"],
+             "comm_s": sum(v[0] for v in self.totals.values())},
+        )

@@ -1,0 +1,124 @@
+"""hydra-submitit-launcher's launchers, with each sweep job's resources taken from that job's own config.
+
+The plugin resolves ``hydra.launcher`` once, from the sweep's base config,
+and submits every job of the sweep with those resources: in
+``-m hydra/launcher=slurm cluster.nnodes=2,4`` both jobs would get the nodes of
+``cluster.nnodes``' default. These subclasses resolve ``hydra.launcher`` per
+job (``nodes: ${cluster.nnodes}`` is 2 for one job, 4 for the other), submit
+each group of jobs with equal resources as one submitit array, and then wait
+for all of them. What runs in each task is the plugin's own ``__call__``.
+
+Hydra accepts launchers only from the ``hydra_plugins`` namespace: the
+concrete ``PerJobSlurmLauncher`` / ``PerJobLocalLauncher`` are defined in
+``hydra_plugins/hybrid_slurm_launcher`` (named by ``conf/hydra/launcher/slurm*.yaml``).
+
+A job has one task per node (:mod:`hybrid.runtime.slurm`); the result handed back to
+Hydra is that of the task whose worker held global rank 0 (it returns the
+final loss, the others NaN), or of a failed task.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from omegaconf import OmegaConf
+
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+
+__all__ = ["PerJobResources", "rank0_return"]
+
+log = logging.getLogger(__name__)
+
+
+def rank0_return(returns: Sequence[JobReturn]) -> JobReturn:
+    """The task result that speaks for the job: a failure first, else the one holding a loss."""
+    for r in returns:
+        if r.status == JobStatus.FAILED:
+            return r
+    for r in returns:
+        if isinstance(r.return_value, float) and not math.isnan(r.return_value):
+            return r
+    return returns[0]
+
+
+def _check_job(job_cfg: Any, params: dict[str, Any], overrides: Sequence[str]) -> None:
+    """The job's settings validate, and its Slurm tasks are one per node of ``cluster.nnodes``; if not, one
+    line on stderr and exit 2 (as the single-run precheck does), before any job of the sweep is queued."""
+    from omegaconf import open_dict
+
+    from hybrid.app.config import validate
+
+    app = job_cfg.copy()
+    with open_dict(app):
+        del app["hydra"]
+    job = " ".join(filter_overrides(overrides)) or "(no overrides)"
+    try:
+        settings = validate(OmegaConf.to_object(app))  # type: ignore[arg-type]
+        tasks = int(params.get("nodes") or 1) * int(params.get("tasks_per_node") or 1)
+        if tasks != settings.cluster.nnodes:
+            raise ValueError(f"hydra.launcher asks for {tasks} task(s) (nodes x tasks_per_node) but "
+                             f"cluster.nnodes={settings.cluster.nnodes}: one task per node")
+    except ValueError as exc:
+        # SystemExit passes Hydra's error report (which would print a traceback for an exception).
+        print(f"error: sweep job {job}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+class PerJobResources(BaseSubmititLauncher):
+    """The plugin's launcher, resources per sweep job; concrete in hydra_plugins.hybrid_slurm_launcher."""
+
+    def _job_params(self, overrides: Sequence[str]) -> dict[str, Any]:
+        """``hydra.launcher`` as resolved in this job's config (the sweep's base config would not see its
+        overrides), after checking the job's settings: bad input fails here, in one line, before anything is
+        queued, not in every task once Slurm has started it."""
+        assert self.config is not None and self.hydra_context is not None
+        job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        params = OmegaConf.to_container(job_cfg.hydra.launcher, resolve=True)
+        assert isinstance(params, dict)
+        params.pop("_target_", None)
+        _check_job(job_cfg, params, overrides)
+        return params
+
+    def _executor(self, params: dict[str, Any]) -> Any:
+        """A submitit executor for ``params``, mapped exactly as the plugin maps ``hydra.launcher``."""
+        import submitit
+
+        params = dict(params)
+        init = {"folder": params.pop("submitit_folder")}
+        if "max_num_timeout" in params:
+            init[f"{self._EXECUTOR}_max_num_timeout"] = params.pop("max_num_timeout")
+        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init)
+        shared = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(**{k if k in shared else f"{self._EXECUTOR}_{k}": v for k, v in params.items()})
+        return executor
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        assert self.config is not None and len(job_overrides) > 0
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        if "mode" in self.config.hydra.sweep:
+            os.chmod(sweep_dir, mode=int(str(self.config.hydra.sweep.mode), 8))
+        log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
+        groups: dict[str, tuple[dict[str, Any], list[int]]] = {}
+        for i, overrides in enumerate(job_overrides):
+            params = self._job_params(overrides)
+            groups.setdefault(json.dumps(params, sort_keys=True, default=str), (params, []))[1].append(i)
+        jobs: dict[int, Any] = {}
+        for params, indices in groups.values():
+            job_params = []
+            for i in indices:
+                idx = initial_job_idx + i
+                log.info(f"\t#{idx} : {' '.join(filter_overrides(job_overrides[i]))}")
+                job_params.append((list(job_overrides[i]), "hydra.sweep.dir", idx, f"job_id_for_{idx}",
+                                   Singleton.get_state()))
+            jobs.update(zip(indices, self._executor(params).map_array(self, *zip(*job_params))))
+        return [rank0_return(jobs[i].results()) for i in range(len(job_overrides))]

@@ -1,0 +1,95 @@
+"""``python -m hybrid.train``: the Hydra app that runs a whole data-parallel training job.
+
+Not under torchrun, it launches ``cluster.nnodes x cluster.nproc_per_node``
+workers itself (one torch elastic agent per simulated node); under torchrun
+every rank runs this app and the layout comes from torchrun; under
+``-m hydra/launcher=slurm`` each submitit task runs one node (hybrid.runtime.slurm). Before Hydra
+starts, :func:`main` composes the config once to turn bad input into a
+one-line error (exit 2) and refuses to reuse an earlier run's directory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from hybrid.app.checks import check_run_dir, check_torchrun_layout, precheck, prepare, under_torchrun
+from hybrid.app.config import CONF_PACKAGE, TrainConfig, validate
+from hybrid.app.trainer import run_worker
+from hybrid.runtime.launch import launch_local
+from hybrid.runtime.slurm import SlurmNode, in_submitit_task
+from hybrid.runtime.testbed import LinkShape, Testbed
+
+__all__ = ["launch_job", "main", "train"]
+
+
+def launch_job(settings: TrainConfig, entrypoint: Any, args: tuple) -> list[Any]:
+    """Launch the layout locally: on loopback, or one network namespace per node (testbed).
+
+    One process per device, or one per node with ``cluster.intra_mode=thread`` (``process_layout``)."""
+    tb = settings.cluster.testbed
+    restarts = settings.cluster.max_restarts
+    if not tb.enabled:
+        return launch_local(settings.process_layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s,
+                            max_restarts=restarts)
+    with Testbed(settings.cluster.nnodes, LinkShape(tb.link_mbit, tb.burst_kb, tb.latency_ms)) as bed:
+        return launch_local(settings.process_layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s,
+                            nodes=bed.nodes, max_restarts=restarts)
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Run the job described by ``cfg``; returns rank 0's metrics."""
+    settings: TrainConfig = validate(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
+    if under_torchrun():
+        check_torchrun_layout(settings, list(hydra_cfg.overrides.task))
+        if os.environ.get("RANK") == "0":
+            check_run_dir(run_dir, settings.trainer.resume)
+        result = run_worker(settings, str(run_dir) if os.environ.get("RANK") == "0" else None)
+    elif in_submitit_task():
+        # One task per node (hydra/launcher=slurm): this task is the node's elastic agent. Every task of
+        # the job has the same Hydra output dir, and every node checks it (no worker starts before the
+        # last node has joined), so a refusal stops all nodes at once instead of leaving them to wait.
+        node = SlurmNode.of_this_task(settings.cluster.nnodes, settings.cluster.rdzv_port)
+        check_run_dir(run_dir, settings.trainer.resume)
+        prepare(settings)
+        # Processes per node as in launch_job: one per device, or one with cluster.intra_mode=thread.
+        result = node.run(settings.process_layout.node_sizes[0], run_worker, (settings, str(run_dir)),
+                          timeout_s=settings.cluster.launch_timeout_s,
+                          max_restarts=settings.cluster.max_restarts).get(0)
+    else:
+        check_run_dir(run_dir, settings.trainer.resume)
+        prepare(settings)
+        result = launch_job(settings, run_worker, (settings, str(run_dir)))[0]
+    if result is not None:
+        print(f"TensorBoard logs: {run_dir / 'tb'}  (tensorboard --logdir {run_dir / 'tb'})")
+        print(f"metrics: {run_dir / 'metrics.json'}")
+    return result or {}
+
+
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONF_PACKAGE}", config_name="config")
+def hydra_main(cfg: DictConfig) -> float:
+    """The value a sweeper would minimise: the final training loss."""
+    return float(train(cfg).get("final_loss", float("nan")))
+
+
+def main() -> None:
+    """Console entry: one-line errors for bad input, then Hydra."""
+    argv = sys.argv[1:]
+    if under_torchrun() and os.environ.get("RANK", "0") != "0":
+        # Only rank 0 writes Hydra's files; the others get its run dir at start-up.
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled",
+                     "hydra/hydra_logging=disabled", "hydra.run.dir=."]
+    else:
+        error = precheck(argv)
+        if error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
+    hydra_main()

@@ -1,0 +1,131 @@
+"""One worker of a training job: set up, train, report; in process mode (a rank under DDP) or thread mode.
+
+:func:`run_worker` runs on every rank, under torchrun or :mod:`hybrid.runtime.launch`.
+Each worker computes on its own mini-batches; the only collectives during
+training are the gradient all-reduces of the chosen ``comm`` (plain DDP's, or
+the hybrid communicator's through the DDP comm hook). Start-up (topology,
+resume) and the end of the run (parameter checksums) exchange a little over
+the default group; nothing else synchronises.
+
+With ``cluster.intra_mode=thread`` a worker is a whole node driving its
+devices' replicas (:mod:`hybrid.app.node_parallel`); both modes build their
+state with :func:`hybrid.app.setup.set_up` and step it with
+:func:`hybrid.app.loop.train_loop`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hybrid.app import error_feedback
+from hybrid.app.config import TrainConfig
+from hybrid.app.loop import Checkpointer, train_loop
+from hybrid.app.metrics import Metrics, NullMetrics, TensorBoardMetrics
+from hybrid.app.node_parallel import train_node
+from hybrid.app.replicas import RankReplica, loss_of
+from hybrid.app.run_metrics import MetricsProcessor, describe_auto_calibration
+from hybrid.app.setup import device_for, sample_batch, set_up
+from hybrid.core.comm import (
+    AutoCommunicator,
+    CommGroups,
+    PhaseCounters,
+    group_kinds_for,
+    make_communicator,
+    register_comm_hook,
+    settle_buckets,
+)
+from hybrid.core.topology import Topology, discover_topology
+from hybrid.runtime.distributed import broadcast_from_rank0, init_distributed, shutdown_distributed
+
+__all__ = ["run_worker", "train_on_rank"]
+
+
+# Our models' buffers are constants (e.g. the causal mask): syncing them every
+# forward would be a second, needless collective per step.
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
+    """Train on this rank; rank 0 returns the final metrics (also written to metrics.json)."""
+    env = init_distributed(cfg.comm.timeout_s)
+    metrics: Metrics = NullMetrics()
+    failed = False
+    try:
+        # Under torchrun every rank has its own Hydra dir: rank 0's is the run's.
+        run_path = Path(broadcast_from_rank0(run_dir))
+        topology = discover_topology(env)
+        device = device_for(cfg.trainer, env.local_rank)
+        threads = cfg.trainer.num_threads or int(os.environ.get("OMP_NUM_THREADS", "0")) or max(
+            1, (os.cpu_count() or 1) // topology.local_world_size
+        )
+        torch.set_num_threads(threads)
+        if env.rank == 0:
+            metrics = TensorBoardMetrics(run_path / "tb")
+        return train_on_rank(cfg, topology, device, run_path, metrics, env.rank)
+    except Exception as exc:
+        # Said at once: the agent reports the first worker it sees exit, and a peer that finds this rank's
+        # connections closed can exit before this one has recorded its error.
+        print(f"rank {env.rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        failed = True
+        raise
+    finally:
+        metrics.close()
+        if not failed:
+            # On failure the sockets close when this process exits, after torchelastic has recorded its
+            # error, so peers that then fail on the closed connection come second.
+            shutdown_distributed()
+
+
+def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path,
+                  metrics: Metrics, rank: int) -> dict[str, Any] | None:
+    """Process mode: this rank's replica under DDP, averaged by ``comm`` (thread mode: :func:`train_node`)."""
+    if cfg.cluster.intra_mode == "thread":
+        # This process is a whole node driving its devices' replicas (nn.DataParallel-style); same loop.
+        return train_node(cfg, topology, device, run_path, metrics)
+    run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank)
+    ddp = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None,
+              bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
+              **_NO_BUFFER_SYNC)
+    counters = PhaseCounters()
+    hook = groups = comm = None
+    finished = False
+    try:
+        if cfg.comm.algorithm != "ddp":
+            groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend, cfg.comm.timeout_s,
+                                      kinds=group_kinds_for(cfg.comm.algorithm, topology))
+            comm = make_communicator(cfg.comm.algorithm, groups, counters, cfg.comm.chunk_bytes,
+                                     cfg.comm.inter_compression, device=device)
+            if isinstance(comm, AutoCommunicator):
+                metrics.status(describe_auto_calibration(comm))
+            hook = register_comm_hook(ddp, comm)
+        feedback = error_feedback.ErrorFeedback.attach(run.residual_signature, comm, run.residuals, device)
+        # The first real step already sees DDP's rebuilt buckets, as every later one does: a resumed run
+        # then sums each element in the order the uninterrupted run did, and residuals keyed by bucket apply.
+        x, y = sample_batch(run.dataset, cfg.data.batch_size, device)
+        settle_buckets(ddp, hook, lambda: loss_of(ddp, x, y).backward())
+        replicas = RankReplica(ddp, run.streams[0], device)
+        processor = MetricsProcessor(cfg, topology, metrics, counters, comm)
+        checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, topology.world_size, rank, feedback)
+        last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor,
+                          checkpointer, run.start_step, cfg.comm.grad_as_bucket_view, device)
+        result = processor.finish(replicas.local_models(), replicas.module, last, device, run_path, rank)
+        finished = True
+        return result
+    finally:
+        if hook is not None:
+            hook.close()
+        if groups is not None and finished:
+            # On failure the groups' sockets close when this process exits, after its error is recorded
+            # (see run_worker): peers that fail on them then come second.
+            groups.destroy()

@@ -1,0 +1,192 @@
+"""Alpha-beta cost model of the three all-reduce algorithms on a two-level cluster.
+
+Each level has a latency ``alpha`` (seconds per message step) and an inverse
+bandwidth ``beta`` (seconds per byte): intra-node (NVLink, or a namespace's
+local path on the testbed) and inter-node (each node's NIC). For S bytes over
+n nodes of g workers (N = n g ranks):
+
+- ``flat``: a ring over all N ranks laid out node by node. Each of its
+  2(N-1) steps moves S/N bytes over every hop at once; n of the hops cross a
+  NIC, so each NIC carries 2(N-1)/N x S bytes and every step waits for the
+  slowest (inter-node) hop: 2(N-1) (alpha_e + S/N beta_e).
+- ``hierarchical``: reduce to the leader and broadcast back, each
+  (g-1) alpha_i + (g-1)/g S beta_i; between them a ring of the n leaders,
+  2(n-1) alpha_e + 2(n-1)/n S beta_e.
+- ``sharded``: reduce-scatter and all-gather inside the node (same cost as
+  reduce and broadcast above) around g concurrent all-reduces of S/g bytes
+  across nodes. They share the node's NICs, so with k NICs per node the NIC
+  bytes are 2(n-1)/n S / min(g, k) each: 2(n-1) alpha_e + 2(n-1)/n S beta_e / min(g, k).
+
+On one level (n = 1 or g = 1) the formulas fall back to a single ring on the
+level that is present.
+
+These derivations price all three algorithms from two measured levels. Where
+an algorithm's own collectives were timed (``comm=auto`` does, at start-up),
+:class:`Model` carries their levels too (``flat``, ``sharded_intra``,
+``sharded_inter``) and they price that algorithm instead: a library's
+all-to-all, or g all-reduces sharing a link, need not cost what a rooted
+reduce or a single all-reduce suggests.
+
+The two-level algorithms pipeline a large tensor in pieces of ``chunk_bytes``
+(the communicator's ``pipeline_chunk_mb``): pass it to :func:`predict` and the
+total becomes one piece through every phase plus (k - 1) pieces at the pace
+of the busier level, the usual pipeline bound (the reduce and the broadcast
+share the intra-node level, so they count together against the inter-node
+all-reduce); without it the phases add up. :func:`calibrate` fits alpha and beta per level from
+``hybrid.tools.bench`` JSON (least squares on per-phase times), so predictions for
+clusters nobody here has use figures measured on the testbed.
+
+``python -m hybrid.costmodel --layout 1024x8 --sizes 25M,1G`` prints predictions (:mod:`hybrid.tools.costmodel`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from hybrid.core.topology import Layout
+
+__all__ = ["MODELLED_ALGORITHMS", "Level", "Model", "calibrate", "fit_level", "predict", "predict_all"]
+
+MODELLED_ALGORITHMS = ("flat", "hierarchical", "sharded")
+
+
+@dataclass(frozen=True)
+class Level:
+    alpha_s: float  # seconds per message step
+    beta_s_per_byte: float  # seconds per byte (1 / bandwidth)
+
+    def step(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes * self.beta_s_per_byte
+
+    @classmethod
+    def from_bandwidth(cls, alpha_us: float, gbit_per_s: float) -> "Level":
+        return cls(alpha_us * 1e-6, 8.0 / (gbit_per_s * 1e9))
+
+    def per_byte_scaled(self, factor: float) -> "Level":
+        """This level with ``factor`` times the seconds per byte: a wire carrying fewer bytes per value
+        (factor < 1), or the bytes spread over several links at once."""
+        return Level(self.alpha_s, self.beta_s_per_byte * factor)
+
+    @property
+    def gbit_per_s(self) -> float | None:
+        """The bandwidth ``beta`` stands for (None where the fit resolved none: beta 0)."""
+        return 8e-9 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else None
+
+
+@dataclass(frozen=True)
+class Model:
+    """Per-level costs, and optionally levels fitted from an algorithm's own collectives.
+
+    ``intra`` and ``inter`` price every algorithm by default (the formulas in
+    the module docstring). Where ``flat``, ``sharded_intra`` or
+    ``sharded_inter`` are given (``comm=auto`` times them at start-up), they
+    price that algorithm's phase instead of the derivation: what the library
+    really does for an all-to-all, or for g all-reduces sharing the node's
+    links, need not be what a rooted reduce or one all-reduce suggests.
+    ``flat`` is per step of a ring over every rank; ``sharded_inter`` per
+    step of one cross group's all-reduce while all g run at once (it then
+    replaces ``nics_per_node``).
+    """
+
+    intra: Level
+    inter: Level
+    nics_per_node: int = 1
+    flat: Level | None = None
+    sharded_intra: Level | None = None
+    sharded_inter: Level | None = None
+
+
+def _ring_allreduce(level: Level, nbytes: float, p: int) -> float:
+    return 2 * (p - 1) * level.step(nbytes / p) if p > 1 else 0.0
+
+
+def _rooted(level: Level, nbytes: float, p: int) -> float:
+    """Reduce (or broadcast, reduce-scatter, all-gather) of nbytes over p ranks."""
+    return (p - 1) * level.alpha_s + (p - 1) / p * nbytes * level.beta_s_per_byte if p > 1 else 0.0
+
+
+def predict(model: Model, algorithm: str, layout: Layout, nbytes: float,
+            chunk_bytes: float | None = None) -> dict[str, float]:
+    """Predicted seconds per phase (same names as the communicator's counters) and ``total``.
+
+    With ``chunk_bytes``, hierarchical and sharded are pipelined in pieces of
+    that size: each phase's figure is then its time for all pieces, and
+    ``total`` is the pipeline's (see the module docstring).
+    """
+    if not layout.is_uniform:
+        raise ValueError(f"the cost model needs nodes of equal size, got {list(layout.node_sizes)}")
+    if chunk_bytes is not None and not chunk_bytes > 0:
+        raise ValueError(f"chunk_bytes={chunk_bytes} must be > 0")
+    n, g = layout.nnodes, layout.node_sizes[0]
+    if algorithm == "flat":
+        level = model.flat or (model.inter if n > 1 else model.intra)
+        phases = {"flat_allreduce": _ring_allreduce(level, nbytes, n * g)}
+        phases["total"] = phases["flat_allreduce"]
+        return phases
+    if algorithm not in ("hierarchical", "sharded"):
+        raise ValueError(f"algorithm {algorithm!r} is not one of {', '.join(MODELLED_ALGORITHMS)}")
+    pieces = max(1, math.ceil(nbytes / chunk_bytes)) if chunk_bytes else 1
+    piece = nbytes / pieces
+    if algorithm == "hierarchical":
+        intra, inter_s = model.intra, _ring_allreduce(model.inter, piece, n)
+    else:
+        intra = model.sharded_intra or model.intra
+        if model.sharded_inter is not None:  # measured: one shard per cross group, all g at once
+            inter_s = _ring_allreduce(model.sharded_inter, piece / g, n)
+        else:
+            shared = model.inter.per_byte_scaled(1 / min(g, model.nics_per_node))
+            inter_s = _ring_allreduce(shared, piece, n)
+    per_piece = {
+        "intra_reduce": _rooted(intra, piece, g),
+        "inter_allreduce": inter_s,
+        "intra_broadcast": _rooted(intra, piece, g),
+    }
+    phases = {name: t * pieces for name, t in per_piece.items()}
+    busiest = max(per_piece["intra_reduce"] + per_piece["intra_broadcast"], per_piece["inter_allreduce"])
+    phases["total"] = sum(per_piece.values()) + (pieces - 1) * busiest
+    return phases
+
+
+def predict_all(model: Model, layout: Layout, nbytes: float, chunk_bytes: float | None = None) -> dict[str, float]:
+    return {alg: predict(model, alg, layout, nbytes, chunk_bytes)["total"] for alg in MODELLED_ALGORITHMS}
+
+
+def fit_level(points: list[tuple[float, float, float]]) -> Level:
+    """Least squares t = a * steps + b * bytes over (steps, bytes, seconds) points, a, b >= 0."""
+    s_ss = sum(s * s for s, _, _ in points)
+    s_bb = sum(b * b for _, b, _ in points)
+    s_sb = sum(s * b for s, b, _ in points)
+    s_st = sum(s * t for s, _, t in points)
+    s_bt = sum(b * t for _, b, t in points)
+    det = s_ss * s_bb - s_sb * s_sb
+    if len(points) < 2 or det <= 0:
+        raise ValueError("calibration needs at least two message sizes per level")
+    alpha = (s_st * s_bb - s_bt * s_sb) / det
+    beta = (s_ss * s_bt - s_sb * s_st) / det
+    if alpha < 0:  # latency below resolution: fit bandwidth alone
+        alpha, beta = 0.0, s_bt / s_bb
+    return Level(alpha, max(beta, 0.0))
+
+
+def calibrate(reports: Iterable[dict[str, Any]], nics_per_node: int = 1) -> Model:
+    """Fit each level from the per-phase times of ``hierarchical`` rows in bench reports.
+
+    Intra: ``intra_reduce`` over g ranks, (g-1) steps, (g-1)/g S bytes.
+    Inter: ``inter_allreduce`` over n leaders, 2(n-1) steps, 2(n-1)/n S bytes.
+    """
+    intra: list[tuple[float, float, float]] = []
+    inter: list[tuple[float, float, float]] = []
+    for report in reports:
+        layout = Layout(tuple(report["node_sizes"]))
+        n, g = layout.nnodes, layout.node_sizes[0]
+        for row in report["results"]:
+            if row["runs_as"] != "hierarchical":
+                continue
+            phases, size = row["phases_s"], row["bytes"]
+            if g > 1 and "intra_reduce" in phases:
+                intra.append((g - 1, (g - 1) / g * size, phases["intra_reduce"]))
+            if n > 1 and "inter_allreduce" in phases:
+                inter.append((2 * (n - 1), 2 * (n - 1) / n * size, phases["inter_allreduce"]))
+    return Model(fit_level(intra), fit_level(inter), nics_per_node)

@@ -1,0 +1,131 @@
+"""One simulated node's torch elastic agent, as its own process: ``python -m hybrid.agent JOB_DIR NODE``.
+
+:mod:`hybrid.runtime.launch` writes the job (entry point, arguments, layout,
+rendezvous) into ``JOB_DIR`` and starts one of these per node, optionally
+inside that node's network namespace (``ip netns exec ...``). The agent runs
+``elastic_launch`` (torchrun's engine) for its node's workers and writes their
+return values, or the failure, to ``JOB_DIR/result-NODE.pkl``. The agent
+itself (:func:`run_node`) also runs each node of a Slurm job (:mod:`hybrid.runtime.slurm`).
+
+Exposure: torch's c10d rendezvous creates its TCPStore server listening on
+every interface of the machine. Node 0's agent therefore starts that server
+first, on a socket bound to the node's own address only (127.0.0.1 for a
+local run, the node's testbed address otherwise), as a multi-tenant store;
+the rendezvous then finds the server on that port in this process and uses
+it instead of opening its own. The workers do not share it: rank 0 hosts a
+store of their own per (re)start, bound the same way (:mod:`hybrid.runtime.distributed`),
+and gloo binds to ``GLOO_SOCKET_IFNAME``, so no socket of a local job listens
+beyond its node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_agent", "run_node"]
+
+
+def _write_result(job_dir: Path, node: int, status: str, payload: Any) -> None:
+    final = job_dir / f"result-{node}.pkl"
+    tmp = job_dir / f".result-{node}.tmp"
+    tmp.write_bytes(pickle.dumps((status, payload)))
+    os.replace(tmp, final)
+
+
+def _rank_and_result(entrypoint: Any, *args: Any) -> tuple[int, Any]:
+    return int(os.environ["RANK"]), entrypoint(*args)
+
+
+def _store_on_node_address(endpoint: str, timeout_s: float) -> tuple[socket.socket, Any]:
+    """The rendezvous store's server, listening on ``endpoint``'s address only."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from hybrid.runtime.distributed import listening_socket
+
+    host, port = endpoint.rsplit(":", 1)
+    listener = listening_socket(host, int(port))
+    store = TCPStore(host, int(port), is_master=True, multi_tenant=True, master_listen_fd=listener.fileno(),
+                     wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return listener, store
+
+
+def run_node(
+    entrypoint: Any,
+    args: tuple,
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    node_rank: int,
+    run_id: str,
+    rdzv_endpoint: str,
+    timeout_s: float,
+    max_restarts: int = 0,
+    local_addr: str | None = None,
+    bind_store: bool = True,
+) -> dict[int, Any]:
+    """Run this node's elastic agent and its workers; return the workers' results by global rank.
+
+    Shared by the simulated nodes of :mod:`hybrid.runtime.launch` and the Slurm nodes
+    of :mod:`hybrid.runtime.slurm`. ``bind_store``: node 0 starts the rendezvous
+    store itself, on the endpoint's address only (see the module docstring);
+    without it torch's c10d rendezvous opens the store as under torchrun,
+    on every interface. ``local_addr``: this node's address as the workers
+    see it (``MASTER_ADDR`` when rank 0 is here); None: the hostname, as
+    torchrun does. A failed worker raises torch's ``ChildFailedError``.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # Kept alive (referenced) until the job ends.
+    server = _store_on_node_address(rdzv_endpoint, timeout_s) if node_rank == 0 and bind_store else None
+    config = LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=rdzv_endpoint,
+        # Node 0 hosts the rendezvous store; the others connect to it (said explicitly: simulated
+        # nodes share one hostname, so torch's guess by hostname would make every node a host).
+        rdzv_configs={"is_host": node_rank == 0, "join_timeout": int(timeout_s)},
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        local_addr=local_addr,
+    )
+    per_local_rank = elastic_launch(config, _rank_and_result)(entrypoint, *args)
+    del server
+    return dict(per_local_rank.values())
+
+
+def run_agent(job_dir: Path, node: int) -> int:
+    meta = json.loads((job_dir / "meta.json").read_text())
+    # The entry point is pickled by reference: make its module importable first.
+    sys.path[:0] = [p for p in meta["sys_path"] if p not in sys.path]
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        entrypoint, args = pickle.loads((job_dir / "job.pkl").read_bytes())
+        by_rank = run_node(
+            entrypoint, args, nnodes=meta["nnodes"], nproc_per_node=meta["node_sizes"][node], node_rank=node,
+            run_id=meta["run_id"], rdzv_endpoint=meta["rdzv_endpoint"], timeout_s=meta["timeout_s"],
+            max_restarts=int(meta.get("max_restarts", 0)), local_addr=meta["node_addresses"][node],
+        )
+        _write_result(job_dir, node, "ok", by_rank)
+        return 0
+    except ChildFailedError as exc:
+        _write_result(job_dir, node, "failed", exc.format_msg())
+    except BaseException as exc:  # noqa: BLE001 - reported to the launcher, then non-zero exit
+        _write_result(job_dir, node, "failed", f"{type(exc).__name__}: {exc}")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(run_agent(Path(sys.argv[1]), int(sys.argv[2])))

@@ -1,0 +1,93 @@
+"""Join the job's default process group from torchrun's environment, and leave it.
+
+Where the elastic agent does not share its own store with the workers
+(``TORCHELASTIC_USE_AGENT_STORE`` is not ``True``: :mod:`hybrid.runtime.launch` sets
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), rank 0 hosts the job's store. We
+create that store ourselves, on a socket bound to ``MASTER_ADDR`` only
+(torch's own would listen on every interface), and each (re)start of the
+workers gets a fresh one, so a restarted attempt never reads the addresses
+its failed predecessor left in a shared store.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybrid.core.topology import WorkerEnv
+
+__all__ = ["broadcast_from_rank0", "init_distributed", "listening_socket", "shutdown_distributed"]
+
+
+def init_distributed(timeout_s: float = 300.0) -> WorkerEnv:
+    """Initialise the default group (gloo on CPU; gloo for CPU + nccl for CUDA tensors).
+
+    The default group carries only start-up exchanges and the training loop's
+    own collectives; gradients travel on :class:`hybrid.core.comm.CommGroups`.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
+    env = WorkerEnv.from_env()
+    if dist.is_initialized():
+        return env
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        backend = "cpu:gloo,cuda:nccl"
+    timeout = timedelta(seconds=timeout_s)
+    store = _job_store(env.rank, env.world_size, timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, init_method="env://", rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout)
+    return env
+
+
+_LISTENERS: list[socket.socket] = []  # the store's listening socket lives as long as the process
+
+
+def _job_store(rank: int, world_size: int, timeout: timedelta) -> Any:
+    """This job's TCPStore, hosted by rank 0 on MASTER_ADDR only; None where the agent's is shared."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or "MASTER_ADDR" not in os.environ:
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    listener = listening_socket(host, port)
+    _LISTENERS.append(listener)
+    return dist.TCPStore(host, port, world_size, is_master=True, master_listen_fd=listener.fileno(),
+                         wait_for_workers=False, timeout=timeout)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host``:``port`` only, to hand to a TCPStore as ``master_listen_fd``.
+
+    torch's TCPStore server would listen on every interface; given this
+    socket, it serves on ``host``'s address alone.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(address)
+    listener.listen(1024)
+    return listener
+
+
+def broadcast_from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` (any picklable object), on every rank. Collective over the default group."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def shutdown_distributed() -> None:
+    """Destroy every process group; safe to call on the failure path too."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,233 @@
+"""Launch a simulated multi-node job on this machine with torch's elastic agent.
+
+Each simulated node gets its own elastic agent (the engine behind torchrun) in
+a process of its own (:mod:`hybrid.runtime.agent`), and the agents meet through a c10d
+rendezvous on node 0's address, exactly as the agents of a real multi-node job
+meet on node 0. Each node's workers therefore see an honest
+``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``, and nodes may differ in size
+(``Layout((3, 1))``). One big local group would instead let gloo take
+intra-machine shortcuts that a real cluster does not have.
+
+By default every node is on loopback. With ``nodes=[NodeNetwork(...)]`` each
+agent starts inside its node's network namespace and gloo binds to that
+node's NIC (see :mod:`hybrid.runtime.testbed`): the same code path as a real cluster.
+
+The entry point is a picklable function; each worker's return value comes
+back to the caller, ordered by global rank. Every wait is bounded: when one
+node fails, or the job outlives ``timeout_s``, every agent's process group
+(the agent and its workers) is stopped and :class:`LaunchError` says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from hybrid.core.topology import Layout
+
+__all__ = ["LOOPBACK", "LaunchError", "NodeNetwork", "free_port", "launch_local", "local_agent_env",
+           "worker_threads"]
+
+_LOCALHOST = "127.0.0.1"
+_RDZV_PORT_IN_NAMESPACE = 29500  # a fresh namespace has every port free
+
+
+class LaunchError(RuntimeError):
+    """A local job failed or timed out; the message names the node and the cause."""
+
+
+@dataclass(frozen=True)
+class NodeNetwork:
+    """Where one simulated node runs: its address, the NIC gloo binds to, how to enter it."""
+
+    address: str
+    ifname: str
+    prefix: tuple[str, ...] = ()  # e.g. ("ip", "netns", "exec", "hybrid-n0")
+
+
+LOOPBACK = NodeNetwork(_LOCALHOST, "lo")
+
+
+def free_port(host: str = _LOCALHOST) -> int:
+    """A TCP port that was free a moment ago on ``host`` (for the rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def worker_threads(world_size: int) -> int:
+    """Intra-op threads per worker so the workers of one machine share its cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, world_size))
+
+
+def local_agent_env(world_size: int) -> dict[str, str]:
+    """Environment of an elastic agent whose node shares this machine with the job's other nodes."""
+    return {"OMP_NUM_THREADS": str(worker_threads(world_size)),
+            "TORCH_ELASTIC_WORKER_IDENTICAL": "0",
+            # Workers get a store of their own per (re)start, hosted by rank 0 on its node's
+            # address only (hybrid.runtime.distributed), not the agent's shared one on every interface.
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def launch_local(
+    layout: Layout,
+    entrypoint: Callable[..., Any],
+    args: Sequence[Any] = (),
+    *,
+    timeout_s: float = 600.0,
+    env: dict[str, str] | None = None,
+    nodes: Sequence[NodeNetwork] | None = None,
+    max_restarts: int = 0,
+) -> list[Any]:
+    """Run ``entrypoint(*args)`` on every rank of ``layout``; return the results by rank.
+
+    Workers get torchrun's environment (``RANK``, ``LOCAL_RANK``,
+    ``GROUP_RANK``, ``MASTER_ADDR`` ...); gloo is bound to each node's NIC
+    (loopback unless ``nodes`` says otherwise). ``max_restarts``: how often
+    each node's elastic agent restarts its workers after a failure (torchrun's
+    ``--max-restarts``); the workers see ``TORCHELASTIC_RESTART_COUNT``.
+    """
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts={max_restarts} must be >= 0")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
+    nodes = list(nodes) if nodes is not None else [LOOPBACK] * layout.nnodes
+    if len(nodes) != layout.nnodes:
+        raise ValueError(f"{len(nodes)} node networks for a layout of {layout.nnodes} nodes")
+    job_dir = _write_job(layout, nodes, entrypoint, args, timeout_s, max_restarts)
+    base_env = {**os.environ, **local_agent_env(layout.world_size), **(env or {})}
+    agents: list[subprocess.Popen] = []
+    try:
+        for i, node in enumerate(nodes):
+            node_env = dict(base_env)
+            if "GLOO_SOCKET_IFNAME" not in (env or {}):  # an explicit env wins; the node's NIC otherwise
+                node_env["GLOO_SOCKET_IFNAME"] = node.ifname
+            agents.append(subprocess.Popen(
+                [*node.prefix, sys.executable, "-m", "hybrid.runtime.agent", str(job_dir), str(i)],
+                env=node_env, start_new_session=True,  # its own process group: stoppable as a whole
+            ))
+        _wait(agents, layout, timeout_s)
+        return _collect(job_dir, agents)
+    finally:
+        _stop(agents)
+        shutil.rmtree(job_dir, ignore_errors=True)
+
+
+def _write_job(layout: Layout, nodes: Sequence[NodeNetwork], entrypoint: Callable[..., Any], args: Sequence[Any],
+               timeout_s: float, max_restarts: int) -> Path:
+    """A fresh job folder with what every agent reads: the rendezvous and layout, and the pickled entry point."""
+    port = free_port() if nodes[0] == LOOPBACK else _RDZV_PORT_IN_NAMESPACE
+    job_dir = Path(tempfile.mkdtemp(prefix="hybrid-job-"))
+    meta = {
+        "sys_path": [p for p in sys.path if p],
+        "nnodes": layout.nnodes,
+        "node_sizes": list(layout.node_sizes),
+        "node_addresses": [n.address for n in nodes],
+        "run_id": f"hybrid-{uuid.uuid4().hex[:8]}",
+        "rdzv_endpoint": f"{nodes[0].address}:{port}",
+        "timeout_s": timeout_s,
+        "max_restarts": max_restarts,
+    }
+    (job_dir / "meta.json").write_text(json.dumps(meta))
+    (job_dir / "job.pkl").write_bytes(pickle.dumps((entrypoint, tuple(args))))
+    return job_dir
+
+
+def _collect(job_dir: Path, agents: list[subprocess.Popen]) -> list[Any]:
+    """Every node's results, by global rank; a :class:`LaunchError` naming each node that failed."""
+    by_rank: dict[int, Any] = {}
+    failures = []
+    for i, agent in enumerate(agents):
+        status, payload = _result(job_dir, i, agent)
+        if status != "ok":
+            failures.append((i, str(payload)))
+        else:
+            by_rank.update(payload)
+    if failures:
+        raise LaunchError(_describe(failures))
+    return [by_rank[rank] for rank in sorted(by_rank)]
+
+
+def _result(job_dir: Path, node: int, agent: subprocess.Popen) -> tuple[str, Any]:
+    path = job_dir / f"result-{node}.pkl"
+    if not path.is_file():
+        return "failed", f"agent exited with code {agent.returncode} without a result"
+    return pickle.loads(path.read_bytes())
+
+
+def _describe(failures: list[tuple[int, str]]) -> str:
+    """One message for every failed node, the likely cause first.
+
+    When one worker dies, its peers fail too, with communication errors
+    (CommError, closed connections, timeouts) that are consequences. Failures
+    that are not such errors (a signal, an exception in the training code)
+    are listed first.
+    """
+    consequence = re.compile(r"CommError|failed on rank|Connection (closed|reset)|Timed out|timed out|"
+                             r"earlier bucket's communication failed|without a result")
+    ordered = sorted(failures, key=lambda f: (bool(consequence.search(f[1])), f[0]))
+    first, rest = ordered[0], ordered[1:]
+    message = f"node {first[0]} failed: {first[1]}"
+    for node, payload in rest:
+        message += f"\n(also) node {node} failed: {payload}"
+    return message
+
+
+def _wait(agents: list[subprocess.Popen], layout: Layout, timeout_s: float, grace_s: float = 10.0) -> None:
+    """Until every agent exits. When one fails, the others get ``grace_s`` to fail on their own
+    (so their reports are read too), then the launcher stops them: they would only time out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [a.poll() for a in agents]
+        if all(c is not None for c in codes):
+            return
+        if any(c not in (None, 0) for c in codes):
+            _wait_each(agents, time.monotonic() + grace_s)
+            return  # the failed nodes' result files say why
+        if time.monotonic() > deadline:
+            raise LaunchError(f"layout {layout} did not finish within timeout_s={timeout_s:g}; stopped all workers")
+        try:
+            next(a for a in agents if a.poll() is None).wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _wait_each(agents: list[subprocess.Popen], deadline: float, floor_s: float = 0.0) -> None:
+    """Wait for each agent to exit, all by ``deadline`` (each still gets ``floor_s``)."""
+    for agent in agents:
+        try:
+            agent.wait(timeout=max(floor_s, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _stop(agents: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM each agent's process group (the agent stops its workers), then SIGKILL what is left."""
+    for agent in agents:
+        if agent.poll() is None:
+            _signal_group(agent, signal.SIGTERM)
+    _wait_each(agents, time.monotonic() + grace_s, floor_s=0.1)
+    for agent in agents:
+        # Workers can outlive an agent that died first: clear the whole group.
+        _signal_group(agent, signal.SIGKILL)
+        _wait_each([agent], time.monotonic() + 5)
+
+
+def _signal_group(agent: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(agent.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
