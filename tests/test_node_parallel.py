@@ -14,7 +14,7 @@ import torch
 import train_workers
 from once import once
 
-from hybrid.app.config import TrainConfig, validate
+from hybrid.app.config import TrainConfig
 from hybrid.app.node_parallel import replica_topology
 from hybrid.app.setup import load_dataset
 from hybrid.core.topology import Topology
@@ -47,14 +47,9 @@ def _remove_root():
 
 def compose(*overrides: str) -> TrainConfig:
     """The settings ``python -m hybrid.train *overrides`` runs with."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
+    from hybrid.app.checks import compose_train_config
 
-    from hybrid.app.config import packaged_conf_dir
-
-    with initialize_config_dir(config_dir=str(packaged_conf_dir()), version_base="1.3"):
-        return validate(OmegaConf.to_object(hydra_compose(config_name="config", overrides=list(overrides))))
+    return compose_train_config(list(overrides))
 
 
 def hybrid_train(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from test_launch import left_after, processes_with_marker  # noqa: E402
 
-import hybrid.app.train  # noqa: E402  also registers the schema (train_schema) with Hydra's ConfigStore
+import hybrid.app.checks  # noqa: E402  also registers the schema (train_schema) with Hydra's ConfigStore
 from hybrid.app.config import TrainConfig  # noqa: E402
 from hybrid.runtime.slurm import SlurmNode, in_submitit_task, rdzv_port  # noqa: E402
 
@@ -93,7 +93,7 @@ def test_task_count_other_than_nnodes_is_one_line_error(monkeypatch):
     cfg.cluster.testbed.enabled = True
     with pytest.raises(ValueError, match="^cluster.testbed.enabled=true starts its own nodes: run it without "
                                          "hydra/launcher=slurm$"):
-        hybrid.app.train.check_testbed(cfg)
+        hybrid.app.checks.check_testbed(cfg)
 
 
 @pytest.mark.parametrize(("args", "needle"), [

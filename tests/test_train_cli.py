@@ -102,6 +102,9 @@ BAD = [
     (["trainer.check_replicas_every=often"], "trainer.check_replicas_every: Value 'often'"),
     (["+cluster=9x9"], "cluster="),
     (["comm.inter_compression=int8"], "comm.inter_compression='int8' is not one of none, bf16, fp16"),
+    (["trainer.precision=fp16"], "trainer.precision='fp16' is not one of fp32, bf16"),
+    (["trainer.grad_clip_norm=-1"], "trainer.grad_clip_norm=-1.0 must be >= 0"),
+    (["comm.find_unused_parameters=maybe"], "comm.find_unused_parameters: Value 'maybe' is not a valid bool"),
     (["comm=flat", "comm.inter_compression=bf16"],
      "comm.inter_compression='bf16' compresses the inter-node phase of hierarchical and sharded (and auto's choices of them); comm=flat has none"),
 ]

@@ -57,6 +57,12 @@ PLANS = {
         ("sharded+fp16-resumed", {"comm": SHARDED_FP16, "trainer": {"stop_after": 10}}),
         ("sharded+fp16-resumed", {"comm": SHARDED_FP16, "trainer": {"resume": True}}),
         ("auto", {"comm": {"algorithm": "auto"}}),
+        # Clipping of the averaged gradients, bf16 autocast, DDP's find_unused_parameters (issue 17's trainer keys).
+        ("clip-ddp", {"comm": {"algorithm": "ddp"}, "trainer": {"grad_clip_norm": 0.05}}),
+        ("clip-hierarchical", {"comm": {"algorithm": "hierarchical"}, "trainer": {"grad_clip_norm": 0.05}}),
+        ("bf16-ddp", {"comm": {"algorithm": "ddp"}, "trainer": {"precision": "bf16"}}),
+        ("bf16-sharded", {"comm": {"algorithm": "sharded", "find_unused_parameters": True},
+                          "trainer": {"precision": "bf16"}}),
     ],
     "4x2": [(c, {"comm": {"algorithm": c}}) for c in COMMS] + [
         (f"{c}-resumed", {"comm": {"algorithm": c}, "trainer": {"stop_after": 10, **resume}})
@@ -291,3 +297,29 @@ def test_adamw_is_available():
 
     opt = build_optimizer([torch.nn.Parameter(torch.ones(2))], OptimConfig(name="adamw", lr=1e-3, weight_decay=0.01))
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["weight_decay"] == 0.01
+
+
+def test_clipping_applies_to_the_averaged_gradients_alike_on_every_rank():
+    """A clip norm far below the gradients' norm changes the run, the same way for our hook as for DDP."""
+    root, results = job("2x2")
+    clipped, plain = model_state(root / "clip-ddp"), model_state(root / "ddp")
+    assert max((clipped[k] - v).abs().max().item() for k, v in plain.items()) > 1e-3  # the clip bit
+    for comm in ("ddp", "hierarchical"):
+        assert results[f"clip-{comm}"]["param_checksums_identical"], comm
+    for key, tensor in clipped.items():
+        torch.testing.assert_close(model_state(root / "clip-hierarchical")[key], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_autocast_trains_with_fp32_weights_and_averages_like_ddp():
+    """Autocast rounds the forward (another run than fp32), the weights stay fp32, the replicas identical; with
+    find_unused_parameters passed to DDP, sharded stays with plain DDP under the same autocast."""
+    root, results = job("2x2")
+    bf16, fp32 = model_state(root / "bf16-ddp"), model_state(root / "ddp")
+    assert all(t.dtype == torch.float32 for t in bf16.values())
+    assert max((bf16[k] - v).abs().max().item() for k, v in fp32.items()) > 1e-4  # autocast was on
+    sharded = model_state(root / "bf16-sharded")
+    for key, tensor in bf16.items():
+        # bf16 matmuls amplify the last-bit differences of the averaging over 20 steps: 1e-3, not 1e-5.
+        torch.testing.assert_close(sharded[key], tensor, rtol=1e-3, atol=1e-4, msg=key)
+    assert results["bf16-sharded"]["param_checksums_identical"] and results["bf16-ddp"]["param_checksums_identical"]
+    assert abs(results["bf16-sharded"]["final_loss"] - results["ddp"]["final_loss"]) < 0.05 * results["ddp"]["final_loss"]

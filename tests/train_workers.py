@@ -1,6 +1,6 @@
 """Rank code for tests/test_trainer.py: several training runs inside one launched job.
 
-Each run goes through the trainer's real per-rank loop (train_on_rank), so
+Each run goes through the trainer's real per-rank loop (train_worker), so
 starting workers (seconds each on this machine) is paid once per layout.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from hybrid.app.config import TrainConfig
 from hybrid.app.metrics import NullMetrics
-from hybrid.app.trainer import train_on_rank
+from hybrid.app.trainer import train_worker
 from hybrid.core.topology import discover_topology
 from hybrid.runtime.distributed import init_distributed, shutdown_distributed
 
@@ -30,7 +30,7 @@ def runs(base: TrainConfig, root: str, plan: list[tuple[str, dict[str, Any]]]) -
             cfg = base
             for section, fields in overrides.items():
                 cfg = replace(cfg, **{section: replace(getattr(cfg, section), **fields)})
-            result = train_on_rank(cfg, topology, torch.device("cpu"), Path(root) / name, NullMetrics(), env.rank)
+            result = train_worker(cfg, topology, torch.device("cpu"), Path(root) / name, NullMetrics(), env.rank)
             if result is not None:
                 out[name] = result
     finally:

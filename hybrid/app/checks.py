@@ -28,7 +28,7 @@ from hybrid.app.setup import load_dataset
 from hybrid.runtime.slurm import in_submitit_task
 from hybrid.runtime.testbed import testbed_available
 
-__all__ = ["check_devices", "check_resume", "check_run_dir", "check_testbed", "check_torchrun_layout",
+__all__ = ["check_devices", "compose_train_config", "check_resume", "check_run_dir", "check_testbed", "check_torchrun_layout",
            "one_line_error", "precheck", "prepare", "under_torchrun"]
 
 # The schema every config and override is checked against (conf/config.yaml lists it in its defaults).
@@ -155,6 +155,13 @@ def one_line_error(exc: BaseException, conf_dir: Path) -> str:
     return " ".join(lines[:2]) if lines else type(exc).__name__
 
 
+def compose_train_config(overrides: list[str], conf_dir: Path | None = None) -> TrainConfig:
+    """The validated settings ``python -m hybrid.train *overrides`` would run with (nothing is started)."""
+    with initialize_config_dir(config_dir=str(conf_dir or packaged_conf_dir()), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return validate(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
+
+
 def precheck(argv: list[str], conf_dir: Path | None = None) -> str | None:
     """Compose, type-check and validate the config of ``argv``; return an error line or None."""
     conf_dir = conf_dir or packaged_conf_dir()
@@ -162,9 +169,7 @@ def precheck(argv: list[str], conf_dir: Path | None = None) -> str | None:
         return None  # --help, --cfg, -m ...: Hydra's own modes
     task, hydra_overrides = _split(argv)
     try:
-        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=task)
-        settings = validate(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
+        settings = compose_train_config(task, conf_dir)
         if under_torchrun():
             check_torchrun_layout(settings, task)
         run_dir = hydra_overrides.get("hydra.run.dir")

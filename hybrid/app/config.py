@@ -49,6 +49,7 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_ACTIONS = ("stop", "skip")
+PRECISIONS = ("fp32", "bf16")
 INTRA_MODES = ("process", "thread")
 
 
@@ -98,6 +99,9 @@ class CommConfig:
     # second full-size gradient buffer (the trainer zeroes gradients in place so they
     # stay views). Applies to every comm, ddp included.
     grad_as_bucket_view: bool = True
+    # DDP's find_unused_parameters: needed where some steps leave parameters without a gradient (per-rank
+    # control flow, a branch not taken); it costs a walk of the autograd graph per step, so off by default.
+    find_unused_parameters: bool = False
     # none | bf16 | fp16: the inter-node all-reduce of hierarchical / sharded travels in 16 bits, with
     # error feedback; the intra-node phases stay full precision.
     inter_compression: str = "none"
@@ -179,6 +183,8 @@ class TrainerConfig:
     keep_checkpoints: int = 3  # the newest K checkpoints are kept; a corrupt newest one falls back to the next
     check_replicas_every: int = 0  # >0: every N steps compare parameter checksums across ranks; stop on a mismatch
     nonfinite_grads: str = "stop"  # stop | skip: what a step with inf/NaN (averaged) gradients does
+    precision: str = "fp32"  # fp32 | bf16: forward and loss under autocast; weights and averaged gradients stay fp32
+    grad_clip_norm: float = 0.0  # >0: clip the averaged gradients to this global L2 norm (alike on every rank)
 
 
 @dataclass
@@ -288,4 +294,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _at_least("trainer.keep_checkpoints", cfg.trainer.keep_checkpoints, 1)
     _at_least("trainer.check_replicas_every", cfg.trainer.check_replicas_every, 0)
     _one_of("trainer.nonfinite_grads", cfg.trainer.nonfinite_grads, NONFINITE_ACTIONS)
+    _one_of("trainer.precision", cfg.trainer.precision, PRECISIONS)
+    _at_least("trainer.grad_clip_norm", cfg.trainer.grad_clip_norm, 0)
     return cfg

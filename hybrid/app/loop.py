@@ -31,9 +31,13 @@ def train_step(replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: 
                grads_as_bucket_views: bool, step: int, processor: MetricsProcessor) -> torch.Tensor:
     """Forward, backward (gradients averaged over all ranks), optimizer and schedule step; returns the loss.
 
-    Non-finite averaged gradients skip the step or stop the run (``trainer.nonfinite_grads``)."""
+    Averaged gradients are clipped where ``trainer.grad_clip_norm`` asks; non-finite ones skip the step or
+    stop the run (``trainer.nonfinite_grads``)."""
     total_loss = replicas.forward_backward(trainer.grad_accum_steps)
     if grads_finite(replicas.module):
+        if trainer.grad_clip_norm:
+            # The averaged gradients are the same bits on every rank, so every rank clips them alike.
+            torch.nn.utils.clip_grad_norm_(replicas.module.parameters(), trainer.grad_clip_norm)
         optimizer.step()
     elif trainer.nonfinite_grads == "skip":
         processor.step_skipped(step + 1)

@@ -51,7 +51,7 @@ from hybrid.app.config import TrainConfig
 from hybrid.app.data import BatchStream
 from hybrid.app.loop import Checkpointer, train_loop
 from hybrid.app.metrics import Metrics
-from hybrid.app.replicas import loss_of
+from hybrid.app.replicas import autocast_for, loss_of
 from hybrid.app.run_metrics import MetricsProcessor
 from hybrid.app.setup import set_up
 from hybrid.core.comm import CommGroups, Communicator, PhaseCounters
@@ -59,7 +59,7 @@ from hybrid.core.comm.counters import rooted_bytes
 from hybrid.core.comm.groups import resolve_backend
 from hybrid.core.topology import Topology
 
-__all__ = ["NodeProcessCommunicator", "NodeReplicas", "replica_topology", "train_node"]
+__all__ = ["NodeProcessCommunicator", "NodeReplicas", "replica_topology", "train_thread_mode"]
 
 
 def replica_topology(processes: Topology, per_node: int) -> Topology:
@@ -71,7 +71,7 @@ def replica_topology(processes: Topology, per_node: int) -> Topology:
     return Topology(rank=processes.node * per_node, nodes=nodes)
 
 
-def train_node(cfg: TrainConfig, processes: Topology, device: torch.device, run_path: Path,
+def train_thread_mode(cfg: TrainConfig, processes: Topology, device: torch.device, run_path: Path,
                metrics: Metrics) -> dict[str, Any] | None:
     """Train this node's replicas; the process of node 0 returns the final metrics (also in metrics.json)."""
     if set(processes.node_sizes) != {1}:
@@ -98,7 +98,8 @@ def train_node(cfg: TrainConfig, processes: Topology, device: torch.device, run_
     feedback = error_feedback.ErrorFeedback.attach(run.residual_signature, comm, run.residuals, devices[0])
     replicas = NodeReplicas(run.model, devices, run.streams, comm, bucket_bytes=max(1, int(cfg.comm.bucket_mb * 2**20)),
                             timeout_s=cfg.comm.timeout_s,
-                            threads_per_replica=max(1, torch.get_num_threads() // per_node))
+                            threads_per_replica=max(1, torch.get_num_threads() // per_node),
+                            precision=cfg.trainer.precision)
     finished = False
     try:
         processor = MetricsProcessor(cfg, topology, metrics, replicas.counters)
@@ -187,7 +188,7 @@ class NodeReplicas:
 
     def __init__(self, leader: nn.Module, devices: list[torch.device], streams: list[BatchStream],
                  comm: NodeProcessCommunicator, *, bucket_bytes: int, timeout_s: float,
-                 threads_per_replica: int) -> None:
+                 threads_per_replica: int, precision: str = "fp32") -> None:
         if len(devices) != len(streams):
             raise ValueError(f"{len(devices)} devices but {len(streams)} batch streams: one each per replica")
         self.module = leader
@@ -200,6 +201,7 @@ class NodeReplicas:
         self._buckets = self._bucket(bucket_bytes)
         # Intra-op threads per replica thread: the replicas share this process's cores.
         self._threads_per_replica = threads_per_replica
+        self._precision = precision
 
     def _bucket(self, bucket_bytes: int) -> list[list[int]]:
         """Parameter indices in order, cut into buckets of at most ``bucket_bytes`` (at least one each)."""
@@ -256,7 +258,8 @@ class NodeReplicas:
             total = torch.zeros((), device=device)
             for x, y in batches:
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                loss = loss_of(model, x, y) / accum
+                with autocast_for(device, self._precision):
+                    loss = loss_of(model, x, y) / accum
                 loss.backward()
                 total += loss.detach()
             return total

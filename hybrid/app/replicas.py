@@ -14,8 +14,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app.data import BatchStream
 
-__all__ = ["RankReplica", "ReplicaDivergence", "Replicas", "check_replicas", "grads_finite", "loss_of",
+__all__ = ["RankReplica", "ReplicaDivergence", "Replicas", "autocast_for", "check_replicas", "grads_finite", "loss_of",
            "param_checksum"]
+
+
+def autocast_for(device: torch.device, precision: str) -> Any:
+    """``trainer.precision``: bf16 runs the forward and loss under autocast (matmuls in bf16); the weights, and
+    so the gradients DDP averages, stay fp32. fp32 changes nothing."""
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -44,8 +52,8 @@ class Replicas(Protocol):
 class RankReplica:
     """Process mode: one replica per process, this rank's model under DDP."""
 
-    def __init__(self, ddp: DDP, stream: BatchStream, device: torch.device) -> None:
-        self.ddp, self.stream, self.device = ddp, stream, device
+    def __init__(self, ddp: DDP, stream: BatchStream, device: torch.device, precision: str = "fp32") -> None:
+        self.ddp, self.stream, self.device, self.precision = ddp, stream, device, precision
 
     @property
     def module(self) -> nn.Module:
@@ -58,7 +66,8 @@ class RankReplica:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             # Only the last micro-step synchronises gradients.
             with self.ddp.no_sync() if micro < accum - 1 else nullcontext():
-                loss = loss_of(self.ddp, x, y) / accum
+                with autocast_for(self.device, self.precision):
+                    loss = loss_of(self.ddp, x, y) / accum
                 loss.backward()
             total_loss += loss.detach()
         return total_loss

@@ -28,7 +28,7 @@ from hybrid.app import error_feedback
 from hybrid.app.config import TrainConfig
 from hybrid.app.loop import Checkpointer, train_loop
 from hybrid.app.metrics import Metrics, NullMetrics, TensorBoardMetrics
-from hybrid.app.node_parallel import train_node
+from hybrid.app.node_parallel import train_thread_mode
 from hybrid.app.replicas import RankReplica, loss_of
 from hybrid.app.run_metrics import MetricsProcessor, describe_auto_calibration
 from hybrid.app.setup import device_for, sample_batch, set_up
@@ -44,7 +44,7 @@ from hybrid.core.comm import (
 from hybrid.core.topology import Topology, discover_topology
 from hybrid.runtime.distributed import broadcast_from_rank0, init_distributed, shutdown_distributed
 
-__all__ = ["run_worker", "train_on_rank"]
+__all__ = ["run_worker", "train_process_mode", "train_worker"]
 
 
 # Our models' buffers are constants (e.g. the causal mask): syncing them every
@@ -72,7 +72,7 @@ def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
         torch.set_num_threads(threads)
         if env.rank == 0:
             metrics = TensorBoardMetrics(run_path / "tb")
-        return train_on_rank(cfg, topology, device, run_path, metrics, env.rank)
+        return train_worker(cfg, topology, device, run_path, metrics, env.rank)
     except Exception as exc:
         # Said at once: the agent reports the first worker it sees exit, and a peer that finds this rank's
         # connections closed can exit before this one has recorded its error.
@@ -87,16 +87,22 @@ def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
             shutdown_distributed()
 
 
-def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path,
-                  metrics: Metrics, rank: int) -> dict[str, Any] | None:
-    """Process mode: this rank's replica under DDP, averaged by ``comm`` (thread mode: :func:`train_node`)."""
+def train_worker(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path,
+                 metrics: Metrics, rank: int) -> dict[str, Any] | None:
+    """This worker's part of the run, in the mode ``cluster.intra_mode`` asks for; rank 0 returns the result."""
     if cfg.cluster.intra_mode == "thread":
         # This process is a whole node driving its devices' replicas (nn.DataParallel-style); same loop.
-        return train_node(cfg, topology, device, run_path, metrics)
+        return train_thread_mode(cfg, topology, device, run_path, metrics)
+    return train_process_mode(cfg, topology, device, run_path, metrics, rank)
+
+
+def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path,
+                       metrics: Metrics, rank: int) -> dict[str, Any] | None:
+    """One replica per process: this rank's model under DDP, its buckets averaged by ``comm``."""
     run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank)
     ddp = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
-              **_NO_BUFFER_SYNC)
+              find_unused_parameters=cfg.comm.find_unused_parameters, **_NO_BUFFER_SYNC)
     counters = PhaseCounters()
     hook = groups = comm = None
     finished = False
@@ -114,7 +120,7 @@ def train_on_rank(cfg: TrainConfig, topology: Topology, device: torch.device, ru
         # then sums each element in the order the uninterrupted run did, and residuals keyed by bucket apply.
         x, y = sample_batch(run.dataset, cfg.data.batch_size, device)
         settle_buckets(ddp, hook, lambda: loss_of(ddp, x, y).backward())
-        replicas = RankReplica(ddp, run.streams[0], device)
+        replicas = RankReplica(ddp, run.streams[0], device, cfg.trainer.precision)
         processor = MetricsProcessor(cfg, topology, metrics, counters, comm)
         checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, topology.world_size, rank, feedback)
         last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor,

@@ -58,10 +58,7 @@ class TrainBenchOptions:
 
 def compose_settings(overrides: list[str], layout: str, comm: str, steps: int, testbed_mbit: float) -> Any:
     """The TrainConfig ``python -m hybrid.train`` would build for these overrides, checked."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from hybrid.app.config import packaged_conf_dir, validate
+    from hybrid.app.checks import compose_train_config
 
     parsed = Layout.parse(layout)
     if not parsed.is_uniform:
@@ -73,9 +70,7 @@ def compose_settings(overrides: list[str], layout: str, comm: str, steps: int, t
             "trainer.resume=false", "trainer.stop_after=0"]
     if testbed_mbit:
         ours += ["cluster.testbed.enabled=true", f"cluster.testbed.link_mbit={testbed_mbit}"]
-    with initialize_config_dir(config_dir=str(packaged_conf_dir()), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides) + ours)
-    return validate(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
+    return compose_train_config(list(overrides) + ours)
 
 
 def _one_run(settings: Any) -> dict[str, Any]:

@@ -18,10 +18,9 @@ measurements of this job's own links rather than from a table:
    that calibrates the model from benchmark runs. Every rank thus holds the
    very same model. Timing each algorithm's own collectives matters on real
    libraries: gloo's all-to-all does not cost what its rooted reduce does,
-   nor g all-reduces sharing a link what one does (on the testbed, deriving
-   flat and sharded from hierarchical's collectives instead kept auto at
-   0.93-0.95x the best fixed algorithm on 1.6 MiB buckets; timing them,
-   0.96-0.99x: experiments/RESULTS.md).
+   nor g all-reduces sharing a link what one does, and a model that derives
+   one algorithm's cost from another's picks the wrong one on small buckets
+   (experiments/RESULTS.md, "Choosing the algorithm per bucket size").
 2. The first time a tensor of a given size (and dtype) is averaged, the cost
    model predicts each candidate algorithm (pipelined in this communicator's
    pieces) and the fastest is kept for that size: a :class:`Decision`.

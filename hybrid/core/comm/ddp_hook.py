@@ -17,9 +17,10 @@ blocking waits and completes the Future, while backward goes on computing
 later buckets. There is one stream per ``CommGroups``, not one per DDP model:
 several models in one backward (a GAN's generator and discriminator, teacher
 and student) queue their buckets into the same FIFO in the order DDP hands
-them over, so every rank issues the same collectives in the same order. With
-a thread per model they raced each other on the same groups, and gloo aborted
-("Received data size doesn't match expected size") or hung.
+them over, so every rank issues the same collectives in the same order. A
+thread per model would race the others on the same groups, in an order that
+differs per rank (gloo then aborts with "Received data size doesn't match
+expected size", or hangs).
 
 A failing collective (peer gone, timeout) completes that bucket's Future with
 the exception, which DDP re-raises from ``backward()``; every later bucket on

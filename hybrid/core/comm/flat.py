@@ -4,16 +4,14 @@ Averaging (fp32/fp64: sum, then divide once) costs a pass over the tensor
 that a bare summing all-reduce does not make. On gloo the transport makes it:
 ``ReduceOp.AVG`` sums and then divides on gloo's own thread, with the same
 bits as sum-then-divide, so there is no pass and no Python callback of ours
-(in the DDP hook, measured with ``experiments/hook_ab.py``: 0.983x DDP's
-speed against 0.967x with our own division). Elsewhere (NCCL, whose AVG
-scales by 1/n and so rounds differently; a torch without gloo AVG) flat sums
-and divides itself.
+in the DDP hook (``experiments/hook_ab.py`` compares both with DDP).
+Elsewhere (NCCL, whose AVG scales by 1/n and so rounds differently; a torch
+without gloo AVG) flat sums and divides itself.
 
 A tensor of at least ``SPLIT_MIN_BYTES`` is all-reduced as two pieces issued
 together, a big head and a tail of 1/8: gloo's two worker threads then work on
-both at once (100 MB on 1x4 loopback: 0.93x the bare all-reduce's time, the
-average included). Below that the second collective costs more than it saves
-(10 MB: 1.19x split vs 1.06x unsplit), so smaller tensors go in one piece.
+both at once. Below that the second collective costs more than it saves, so
+smaller tensors go in one piece (the measured crossover: experiments/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -9,12 +9,11 @@ The reduce-scatter is one ``all_to_all_single`` per piece (every worker
 sends shard j of its piece to local rank j) and a local sum of the ``g``
 shards each worker receives, in local-rank order; shards of unequal length (a
 tensor of 7 elements over 4 workers) travel as unequal splits, with no
-padding. Measured on gloo (``python experiments/intra_collectives_ab.py``: 80 MB
-in 4 MiB pieces over 4 ranks on 2 cores, two pieces in flight): 0.16 s and
-+12 MB of peak RSS, against 0.39 s for one ``reduce`` per shard and 0.31 s /
-+56 MB for gloo's ``reduce_scatter_single``, which allocates per call. The
-all-gather is one ``broadcast`` per shard (0.15 s, +3 MB;
-``all_gather_into_tensor``: 0.16 s, +45 MB).
+padding. On gloo that is faster than one ``reduce`` per shard and lighter
+than ``reduce_scatter_single``, which allocates per call; likewise the
+all-gather is one ``broadcast`` per shard rather than
+``all_gather_into_tensor`` (figures and the command that measures them:
+experiments/RESULTS.md, ``experiments/intra_collectives_ab.py``).
 
 Large tensors are pipelined in pieces of ``chunk_bytes`` (each piece is
 sharded in turn), so a piece's shard crosses the network while the next
