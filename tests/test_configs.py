@@ -24,6 +24,8 @@ def test_every_group_option_composes_into_typed_settings(group, option, tmp_path
     if (group, option) == ("data", "files"):
         (tmp_path / "x.npy").write_bytes(b"")
         extra = [f"data.inputs={tmp_path / 'x.npy'}"]
+    if (group, option) == ("data", "text"):
+        extra = ["model=transformer"]  # next-byte text is for language models (mlp refuses it in one line)
     # experiment/ is not in the defaults list: it is added with +experiment=...
     prefix = "+" if group == "experiment" else ""
     settings = OmegaConf.to_object(compose_with(f"{prefix}{group}={option}", *extra))
@@ -34,7 +36,8 @@ def test_every_group_option_composes_into_typed_settings(group, option, tmp_path
 def test_the_groups_the_docs_promise_exist():
     assert {"cluster", "comm", "model", "data", "optim", "trainer"} <= set(GROUPS)
     assert GROUPS["comm"] == sorted(COMM_ALGORITHMS)
-    assert {"mlp", "cnn", "transformer"} <= set(GROUPS["model"])
+    assert {"mlp", "cnn", "transformer", "gpt2"} <= set(GROUPS["model"])
+    assert {"synthetic", "files", "text"} <= set(GROUPS["data"])
 
 
 @pytest.mark.parametrize("choice", COMM_ALGORITHMS)

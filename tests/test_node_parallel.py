@@ -64,7 +64,7 @@ def job(mode: str) -> list[dict]:
     from hybrid.app.train import launch_job
 
     cfg = compose(*ARGS, f"cluster.intra_mode={mode}")
-    load_dataset(cfg)  # generate the data once, before the ranks start
+    load_dataset(cfg.data, cfg.model.name)  # generate the data once, before the ranks start
     if mode == "thread":
         job("process")  # "from-process" resumes a process-mode checkpoint
     return launch_job(cfg, train_workers.runs, (cfg, str(ROOT / mode), PLANS[mode]))

@@ -87,7 +87,10 @@ BAD = [
     (["cluster.nnodes=0"], "cluster.nnodes=0 must be >= 1"),
     (["data.batch_size=-4"], "data.batch_size=-4 must be >= 1"),
     (["comm=ring"], "comm='ring' is not one of auto, ddp, flat, hierarchical, sharded"),
-    (["model=resnet"], "model='resnet' is not one of cnn, mlp, transformer"),
+    (["model=resnet"], "model='resnet' is not one of cnn, gpt2, mlp, transformer"),
+    (["data=text"], "data=text is next-byte prediction for a language model: model=mlp cannot train on it"),
+    (["data=text", "model=transformer", "data.text_files=[/no/such/*.txt]"],
+     "data.text_files=['/no/such/*.txt'] matches no file"),
     (["data=files", "data.inputs=/no/such/file.npy"], "data.inputs='/no/such/file.npy' does not exist"),
     (["optim.lr=fast"], "optim.lr: Value 'fast' of type 'str' could not be converted to Float"),
     (["comm.bucket_mb=big"], "comm.bucket_mb: Value 'big'"),
@@ -187,7 +190,7 @@ def test_help_lists_the_config_groups(tmp_path):
     out = hybrid_train("--help", cwd=tmp_path, timeout=60)
     assert out.returncode == 0
     for line in ("cluster: 1x2, 1x4, 2x1, 2x2, 2x4, 4x1, 4x2, local", "comm: auto, ddp, flat, hierarchical, sharded",
-                 "model: cnn, mlp, transformer", "data: files, synthetic", "optim: adamw, sgd", "trainer: default",
+                 "model: cnn, gpt2, mlp, transformer", "data: files, synthetic, text", "optim: adamw, sgd", "trainer: default",
                  "experiment: auto_vs_fixed, flat_vs_hier, flat_vs_hier_small"):
         assert line in out.stdout
 

@@ -101,7 +101,7 @@ def prepare(cfg: TrainConfig) -> None:
     """Checks that need the data and devices; also generates synthetic data once, up front."""
     check_testbed(cfg)
     check_devices(cfg)
-    load_dataset(cfg)
+    load_dataset(cfg.data, cfg.model.name)
 
 
 def check_resume(resume: object, run_dir: Path | None, model_config: dict | None = None) -> None:

@@ -43,8 +43,8 @@ __all__ = [
 # carries its configs and Hydra finds them from any directory.
 CONF_PACKAGE = "hybrid.conf"
 
-MODELS = ("mlp", "cnn", "transformer")
-DATASETS = ("synthetic", "files")
+MODELS = ("mlp", "cnn", "transformer", "gpt2")
+DATASETS = ("synthetic", "files", "text")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
@@ -156,6 +156,8 @@ class DataConfig:
     batch_size: int = 32  # per worker, per micro-step
     num_workers: int = 0  # DataLoader worker processes per rank
     seed: int = 1234  # synthetic data generation
+    # name=text: globs of text files read as bytes (empty: the Python docs' topics that ship with CPython)
+    text_files: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -239,61 +241,84 @@ def resume_target(value: Any, run_dir: Path) -> Path | None:
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Range and choice checks; raises ValueError with one line naming key, value and rule."""
-    _at_least("cluster.nnodes", cfg.cluster.nnodes, 1)
-    _at_least("cluster.nproc_per_node", cfg.cluster.nproc_per_node, 1)
-    _at_least("cluster.launch_timeout_s", cfg.cluster.launch_timeout_s, 1)
-    _at_least("cluster.max_restarts", cfg.cluster.max_restarts, 0)
-    if not 0 <= cfg.cluster.rdzv_port <= 65535:
-        raise ValueError(f"cluster.rdzv_port={cfg.cluster.rdzv_port!r} must be 0 (derived from the Slurm job id) "
-                         "or a port, 1-65535")
-    _one_of("cluster.intra_mode", cfg.cluster.intra_mode, INTRA_MODES)
-    if not cfg.cluster.testbed.link_mbit > 0:
-        raise ValueError(f"cluster.testbed.link_mbit={cfg.cluster.testbed.link_mbit!r} must be > 0")
-    _at_least("cluster.testbed.burst_kb", cfg.cluster.testbed.burst_kb, 0)
-    _at_least("cluster.testbed.latency_ms", cfg.cluster.testbed.latency_ms, 0.001)
+    _validate_cluster(cfg.cluster)
     cfg.comm.__post_init__()  # algorithm, backends, bucket size, timeout
     if cfg.cluster.intra_mode == "thread" and cfg.comm.algorithm != "hierarchical":
         raise ValueError(
             f"comm={cfg.comm.algorithm} is not available with cluster.intra_mode=thread, which is hierarchical by "
             "construction (reduce inside the node process, all-reduce among node processes): use comm=hierarchical"
         )
-    _one_of("model.name", cfg.model.name, MODELS)
+    _validate_model(cfg.model)
+    _validate_data(cfg.data, cfg.model.name)
+    _validate_optim(cfg.optim)
+    _validate_trainer(cfg.trainer)
+    return cfg
+
+
+def _validate_cluster(c: ClusterConfig) -> None:
+    _at_least("cluster.nnodes", c.nnodes, 1)
+    _at_least("cluster.nproc_per_node", c.nproc_per_node, 1)
+    _at_least("cluster.launch_timeout_s", c.launch_timeout_s, 1)
+    _at_least("cluster.max_restarts", c.max_restarts, 0)
+    if not 0 <= c.rdzv_port <= 65535:
+        raise ValueError(f"cluster.rdzv_port={c.rdzv_port!r} must be 0 (derived from the Slurm job id) "
+                         "or a port, 1-65535")
+    _one_of("cluster.intra_mode", c.intra_mode, INTRA_MODES)
+    if not c.testbed.link_mbit > 0:
+        raise ValueError(f"cluster.testbed.link_mbit={c.testbed.link_mbit!r} must be > 0")
+    _at_least("cluster.testbed.burst_kb", c.testbed.burst_kb, 0)
+    _at_least("cluster.testbed.latency_ms", c.testbed.latency_ms, 0.001)
+
+
+def _validate_model(m: ModelConfig) -> None:
+    _one_of("model.name", m.name, MODELS)
     for key in ("width", "depth", "channels", "heads"):
-        _at_least(f"model.{key}", getattr(cfg.model, key), 1)
-    if cfg.model.name == "transformer" and cfg.model.width % cfg.model.heads:
-        raise ValueError(
-            f"model.width={cfg.model.width} must be divisible by model.heads={cfg.model.heads}"
-        )
-    _one_of("data.name", cfg.data.name, DATASETS)
+        _at_least(f"model.{key}", getattr(m, key), 1)
+    if m.name in ("transformer", "gpt2") and m.width % m.heads:
+        raise ValueError(f"model.width={m.width} must be divisible by model.heads={m.heads}")
+
+
+def _validate_data(d: DataConfig, model_name: str) -> None:
+    _one_of("data.name", d.name, DATASETS)
     for key in ("num_samples", "features", "classes", "image_size", "vocab_size", "seq_len", "batch_size"):
-        _at_least(f"data.{key}", getattr(cfg.data, key), 1)
-    _at_least("data.num_workers", cfg.data.num_workers, 0)
-    if cfg.data.name == "files":
-        if not cfg.data.inputs:
+        _at_least(f"data.{key}", getattr(d, key), 1)
+    _at_least("data.num_workers", d.num_workers, 0)
+    if d.name == "text":
+        if model_name not in ("transformer", "gpt2"):
+            raise ValueError(f"data=text is next-byte prediction for a language model: model={model_name} "
+                             "cannot train on it; use model=transformer or model=gpt2")
+        _at_least("data.vocab_size", d.vocab_size, 256)  # every byte value is a token
+    if d.name == "files":
+        if not d.inputs:
             raise ValueError("data.inputs is empty: data=files needs a .npy or .pt file of inputs")
         for key in ("inputs", "targets"):
-            path = getattr(cfg.data, key)
+            path = getattr(d, key)
             if path and not Path(path).expanduser().is_file():
                 raise ValueError(f"data.{key}={path!r} does not exist or is not a file")
-    _one_of("optim.name", cfg.optim.name, OPTIMIZERS)
-    _one_of("optim.schedule", cfg.optim.schedule, SCHEDULES)
-    if not cfg.optim.lr > 0:
-        raise ValueError(f"optim.lr={cfg.optim.lr!r} must be > 0")
-    _at_least("optim.momentum", cfg.optim.momentum, 0)
-    _at_least("optim.weight_decay", cfg.optim.weight_decay, 0)
-    _at_least("optim.warmup_steps", cfg.optim.warmup_steps, 0)
-    if not 0 <= cfg.optim.min_lr_ratio <= 1:
-        raise ValueError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio!r} must be in [0, 1]")
-    _at_least("trainer.max_steps", cfg.trainer.max_steps, 1)
-    _at_least("trainer.grad_accum_steps", cfg.trainer.grad_accum_steps, 1)
-    _at_least("trainer.checkpoint_every", cfg.trainer.checkpoint_every, 0)
-    _at_least("trainer.stop_after", cfg.trainer.stop_after, 0)
-    _at_least("trainer.log_every", cfg.trainer.log_every, 1)
-    _at_least("trainer.num_threads", cfg.trainer.num_threads, 0)
-    _one_of("trainer.device", cfg.trainer.device, DEVICES)
-    _at_least("trainer.keep_checkpoints", cfg.trainer.keep_checkpoints, 1)
-    _at_least("trainer.check_replicas_every", cfg.trainer.check_replicas_every, 0)
-    _one_of("trainer.nonfinite_grads", cfg.trainer.nonfinite_grads, NONFINITE_ACTIONS)
-    _one_of("trainer.precision", cfg.trainer.precision, PRECISIONS)
-    _at_least("trainer.grad_clip_norm", cfg.trainer.grad_clip_norm, 0)
-    return cfg
+
+
+def _validate_optim(o: OptimConfig) -> None:
+    _one_of("optim.name", o.name, OPTIMIZERS)
+    _one_of("optim.schedule", o.schedule, SCHEDULES)
+    if not o.lr > 0:
+        raise ValueError(f"optim.lr={o.lr!r} must be > 0")
+    _at_least("optim.momentum", o.momentum, 0)
+    _at_least("optim.weight_decay", o.weight_decay, 0)
+    _at_least("optim.warmup_steps", o.warmup_steps, 0)
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ValueError(f"optim.min_lr_ratio={o.min_lr_ratio!r} must be in [0, 1]")
+
+
+def _validate_trainer(t: TrainerConfig) -> None:
+    _at_least("trainer.max_steps", t.max_steps, 1)
+    _at_least("trainer.grad_accum_steps", t.grad_accum_steps, 1)
+    _at_least("trainer.checkpoint_every", t.checkpoint_every, 0)
+    _at_least("trainer.stop_after", t.stop_after, 0)
+    _at_least("trainer.log_every", t.log_every, 1)
+    _at_least("trainer.num_threads", t.num_threads, 0)
+    _one_of("trainer.device", t.device, DEVICES)
+    _at_least("trainer.keep_checkpoints", t.keep_checkpoints, 1)
+    _at_least("trainer.check_replicas_every", t.check_replicas_every, 0)
+    _one_of("trainer.nonfinite_grads", t.nonfinite_grads, NONFINITE_ACTIONS)
+    _one_of("trainer.precision", t.precision, PRECISIONS)
+    _at_least("trainer.grad_clip_norm", t.grad_clip_norm, 0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["CNN", "MLP", "TransformerLM", "build_model", "param_bytes"]
+__all__ = ["CNN", "MLP", "HFCausalLM", "TransformerLM", "build_model", "gpt2", "param_bytes"]
 
 
 class MLP(nn.Module):
@@ -69,6 +69,34 @@ class TransformerLM(nn.Module):
         return self.head(self.norm(h))
 
 
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal language model seen as ``tokens -> logits``, like :class:`TransformerLM`.
+
+    The loop, DDP and the checkpoints then treat it as any of our models; its
+    own output object (with caches and optional loss) stays inside."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens).logits
+
+
+def gpt2(vocab_size: int, seq_len: int, width: int, depth: int, heads: int) -> HFCausalLM:
+    """Hugging Face ``GPT2LMHeadModel``, randomly initialised from a ``GPT2Config`` (nothing is downloaded);
+    its input and output embeddings are tied, as in GPT-2. Dropout is off, as in our other models, so runs
+    differ only by how gradients travel."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as exc:
+        raise ValueError("model=gpt2 needs Hugging Face transformers: pip install -e '.[hf]'") from exc
+    config = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=width, n_layer=depth, n_head=heads,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                        bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
+    return HFCausalLM(GPT2LMHeadModel(config))
+
+
 def build_model(name: str, *, width: int, depth: int, channels: int, heads: int, input_shape: tuple[int, ...],
                 classes: int, vocab_size: int, seq_len: int) -> nn.Module:
     """Build the named model for inputs of ``input_shape`` (one sample, without the batch dim)."""
@@ -78,7 +106,9 @@ def build_model(name: str, *, width: int, depth: int, channels: int, heads: int,
         return CNN(input_shape[0], channels, depth, width, classes)
     if name == "transformer":
         return TransformerLM(vocab_size, max(seq_len, input_shape[0]), width, depth, heads)
-    raise ValueError(f"model.name={name!r} is not one of mlp, cnn, transformer")
+    if name == "gpt2":
+        return gpt2(vocab_size, max(seq_len, input_shape[0]), width, depth, heads)
+    raise ValueError(f"model.name={name!r} is not one of mlp, cnn, transformer, gpt2")
 
 
 def param_bytes(model: nn.Module) -> int:

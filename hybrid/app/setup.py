@@ -18,7 +18,7 @@ from torch import nn
 
 from hybrid.app import error_feedback
 from hybrid.app.checkpoint import checkpoint_steps, load_checkpoint
-from hybrid.app.config import ModelConfig, TrainConfig, TrainerConfig, resume_target
+from hybrid.app.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
 from hybrid.app.data import (
     KIND_OF_MODEL,
     ArrayDataset,
@@ -27,6 +27,7 @@ from hybrid.app.data import (
     check_arrays,
     ensure_synthetic,
     load_arrays,
+    text_arrays,
 )
 from hybrid.app.metrics import Metrics
 from hybrid.app.models import build_model
@@ -44,15 +45,17 @@ def device_for(trainer: TrainerConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def load_dataset(cfg: TrainConfig) -> ArrayDataset:
-    """The dataset of ``cfg.data`` (generating synthetic data on first use), checked against ``cfg.model``."""
-    d, model_name = cfg.data, cfg.model.name
+def load_dataset(d: DataConfig, model_name: str) -> ArrayDataset:
+    """The dataset ``d`` describes (generating synthetic data on first use), checked against the model."""
     if d.name == "synthetic":
         spec = DatasetSpec(KIND_OF_MODEL[model_name], d.num_samples, d.features, d.classes,
                            d.image_size, d.vocab_size, d.seq_len, d.seed)
         inputs, targets = ensure_synthetic(Path(d.root), spec)
         x, y = load_arrays(inputs, targets)
         where = f"synthetic data {inputs.parent}"
+    elif d.name == "text":
+        x, y = text_arrays(list(d.text_files), d.seq_len)
+        where = f"data.text_files={list(d.text_files)!r}"
     else:
         x, y = load_arrays(d.inputs, d.targets or None)
         where = f"data.inputs={d.inputs!r}"
@@ -66,15 +69,15 @@ def sample_batch(dataset: ArrayDataset, batch_size: int, device: torch.device) -
     return torch.stack([x for x, _ in rows]).to(device), torch.stack([y for _, y in rows]).to(device)
 
 
-def build_training(cfg: TrainConfig, dataset: ArrayDataset, device: torch.device) -> tuple[nn.Module, Any, Any]:
-    """Model, optimizer and LR schedule; the same initial weights in every process (the seed)."""
-    torch.manual_seed(cfg.trainer.seed)  # same initial weights on every rank
-    m, d = cfg.model, cfg.data
+def build_training(m: ModelConfig, d: DataConfig, optim: OptimConfig, trainer: TrainerConfig, dataset: ArrayDataset,
+                   device: torch.device) -> tuple[nn.Module, Any, Any]:
+    """Model, optimizer and LR schedule; the same initial weights in every process (``trainer.seed``)."""
+    torch.manual_seed(trainer.seed)  # same initial weights on every rank
     model = build_model(m.name, width=m.width, depth=m.depth, channels=m.channels, heads=m.heads,
                         input_shape=tuple(dataset[0][0].shape), classes=d.classes, vocab_size=d.vocab_size,
                         seq_len=d.seq_len).to(device)
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
+    optimizer = build_optimizer(model.parameters(), optim)
+    scheduler = build_scheduler(optimizer, optim, trainer.max_steps)
     return model, optimizer, scheduler
 
 
@@ -142,8 +145,8 @@ def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_
     """Build a run's training state for the replicas of global ranks ``stream_ranks`` (one in process mode,
     a node's in thread mode), restoring a checkpoint where the run resumes. Collective over the default
     group (``process_rank`` is this process's rank there)."""
-    dataset = load_dataset(cfg)
-    model, optimizer, scheduler = build_training(cfg, dataset, device)
+    dataset = load_dataset(cfg.data, cfg.model.name)
+    model, optimizer, scheduler = build_training(cfg.model, cfg.data, cfg.optim, cfg.trainer, dataset, device)
     streams = [BatchStream(dataset, cfg.data.batch_size, rank, world_size, cfg.trainer.seed,
                            pin_memory=device.type == "cuda", num_workers=cfg.data.num_workers)
                for rank in stream_ranks]
