@@ -11,7 +11,7 @@ from hybrid.core.comm.ordered_stream import OrderedStream
 
 
 def test_jobs_run_one_at_a_time_in_the_order_they_were_handed_over():
-    stream = OrderedStream("test", timeout_s=5)
+    stream = OrderedStream("test")
     stream.attach()
     stream.attach()  # a second user (a second DDP model) shares the same thread
     seen: list[int] = []
@@ -33,7 +33,7 @@ def test_jobs_run_one_at_a_time_in_the_order_they_were_handed_over():
 
 
 def test_a_failed_job_fails_every_later_one_with_its_cause():
-    stream = OrderedStream("test", timeout_s=5)
+    stream = OrderedStream("test")
     stream.attach()
     ran: list[str] = []
 
@@ -51,7 +51,7 @@ def test_a_failed_job_fails_every_later_one_with_its_cause():
 
 
 def test_call_from_another_thread_waits_behind_queued_jobs_and_returns_the_result():
-    stream = OrderedStream("test", timeout_s=5)
+    stream = OrderedStream("test")
     stream.attach()
     gate = threading.Event()
     order: list[str] = []
@@ -63,7 +63,7 @@ def test_call_from_another_thread_waits_behind_queued_jobs_and_returns_the_resul
 
 
 def test_on_start_and_on_finish_frame_the_job_and_the_future_completes_last():
-    stream = OrderedStream("test", timeout_s=5)
+    stream = OrderedStream("test")
     stream.attach()
     events: list[str] = []
     future = stream.submit(lambda: events.append("run") or torch.ones(2), on_start=lambda: events.append("start"),
@@ -75,7 +75,7 @@ def test_on_start_and_on_finish_frame_the_job_and_the_future_completes_last():
 
 
 def test_a_stream_without_users_refuses_jobs_and_restarts_on_attach():
-    stream = OrderedStream("test", timeout_s=5)
+    stream = OrderedStream("test")
     with pytest.raises(RuntimeError, match="no user holds this stream"):
         stream.submit(lambda: None)
     stream.attach()
@@ -87,7 +87,7 @@ def test_a_stream_without_users_refuses_jobs_and_restarts_on_attach():
 
 def test_a_failing_callback_fails_its_job_and_the_thread_keeps_serving():
     """Whatever goes wrong around a job, its Future ends (DDP waits on it without a deadline)."""
-    stream = OrderedStream("test", timeout_s=5)
+    stream = OrderedStream("test")
     stream.attach()
 
     def bad_start() -> None:
@@ -104,7 +104,7 @@ def test_a_failing_callback_fails_its_job_and_the_thread_keeps_serving():
 
 
 def test_a_user_who_comes_back_while_the_thread_drains_gets_the_same_thread():
-    stream = OrderedStream("test", timeout_s=5)
+    stream = OrderedStream("test")
     stream.attach()
     release = threading.Event()
     threads: list[threading.Thread] = []
@@ -120,7 +120,7 @@ def test_a_user_who_comes_back_while_the_thread_drains_gets_the_same_thread():
 
 
 def test_call_on_the_streams_own_thread_runs_at_once():
-    stream = OrderedStream("test", timeout_s=5)
+    stream = OrderedStream("test")
     stream.attach()
     assert stream.submit(lambda: stream.call(lambda: "inline")).wait() == "inline"
     stream.detach()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybrid.app.data import KIND_OF_MODEL
 from hybrid.core.comm.compression import INTER_COMPRESSIONS
 from hybrid.core.comm.groups import BACKENDS
 from hybrid.core.comm.registry import CHOOSABLE, COMPRESSIBLE
@@ -43,7 +44,8 @@ __all__ = [
 # carries its configs and Hydra finds them from any directory.
 CONF_PACKAGE = "hybrid.conf"
 
-MODELS = ("mlp", "cnn", "transformer", "gpt2")
+MODELS = tuple(KIND_OF_MODEL)  # mlp, cnn, transformer, gpt2
+LANGUAGE_MODELS = tuple(m for m, kind in KIND_OF_MODEL.items() if kind == "tokens")  # what data=text can train
 DATASETS = ("synthetic", "files", "text")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
@@ -274,7 +276,7 @@ def _validate_model(m: ModelConfig) -> None:
     _one_of("model.name", m.name, MODELS)
     for key in ("width", "depth", "channels", "heads"):
         _at_least(f"model.{key}", getattr(m, key), 1)
-    if m.name in ("transformer", "gpt2") and m.width % m.heads:
+    if m.name in LANGUAGE_MODELS and m.width % m.heads:
         raise ValueError(f"model.width={m.width} must be divisible by model.heads={m.heads}")
 
 
@@ -284,9 +286,9 @@ def _validate_data(d: DataConfig, model_name: str) -> None:
         _at_least(f"data.{key}", getattr(d, key), 1)
     _at_least("data.num_workers", d.num_workers, 0)
     if d.name == "text":
-        if model_name not in ("transformer", "gpt2"):
+        if model_name not in LANGUAGE_MODELS:
             raise ValueError(f"data=text is next-byte prediction for a language model: model={model_name} "
-                             "cannot train on it; use model=transformer or model=gpt2")
+                             f"cannot train on it; use {' or '.join(f'model={m}' for m in LANGUAGE_MODELS)}")
         _at_least("data.vocab_size", d.vocab_size, 256)  # every byte value is a token
     if d.name == "files":
         if not d.inputs:

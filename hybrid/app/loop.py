@@ -19,12 +19,16 @@ import torch.distributed as dist
 
 from hybrid.app import error_feedback
 from hybrid.app.checkpoint import save_checkpoint
-from hybrid.app.config import ModelConfig, TrainerConfig
+from hybrid.app.config import ModelConfig, TrainConfig, TrainerConfig
 from hybrid.app.data import BatchStream
+from hybrid.app.metrics import Metrics
 from hybrid.app.replicas import Replicas, check_replicas, grads_finite
 from hybrid.app.run_metrics import MetricsProcessor
+from hybrid.app.setup import Training
+from hybrid.core.comm import Communicator, PhaseCounters
+from hybrid.core.topology import Topology
 
-__all__ = ["Checkpointer", "train_loop", "train_step"]
+__all__ = ["Checkpointer", "train_and_report", "train_loop", "train_step"]
 
 
 def train_step(replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: Any, trainer: TrainerConfig,
@@ -101,3 +105,16 @@ def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.opti
             checkpointer.save(done, replicas, optimizer, scheduler, stream)
     checkpointer.save(last, replicas, optimizer, scheduler, stream)
     return last
+
+
+def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topology: Topology, metrics: Metrics,
+                     counters: PhaseCounters, run_path: Path, rank: int, device: torch.device,
+                     feedback: error_feedback.ErrorFeedback | None, comm: Communicator | None = None,
+                     ) -> dict[str, Any] | None:
+    """What both modes do once their replicas are built: train from ``run.start_step`` with checkpoints and
+    logging, then gather the run's result (rank 0 returns it and writes metrics.json; the others None)."""
+    processor = MetricsProcessor(cfg, topology, metrics, counters, comm)
+    checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, topology.world_size, rank, feedback)
+    last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor, checkpointer,
+                      run.start_step, cfg.comm.grad_as_bucket_view, device)
+    return processor.finish(replicas.local_models(), replicas.module, last, device, run_path, rank)

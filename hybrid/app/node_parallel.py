@@ -49,10 +49,9 @@ from torch import nn
 from hybrid.app import error_feedback
 from hybrid.app.config import TrainConfig
 from hybrid.app.data import BatchStream
-from hybrid.app.loop import Checkpointer, train_loop
+from hybrid.app.loop import train_and_report
 from hybrid.app.metrics import Metrics
 from hybrid.app.replicas import autocast_for, loss_of
-from hybrid.app.run_metrics import MetricsProcessor
 from hybrid.app.setup import set_up
 from hybrid.core.comm import CommGroups, Communicator, PhaseCounters
 from hybrid.core.comm.counters import rooted_bytes
@@ -102,12 +101,8 @@ def train_thread_mode(cfg: TrainConfig, processes: Topology, device: torch.devic
                             precision=cfg.trainer.precision)
     finished = False
     try:
-        processor = MetricsProcessor(cfg, topology, metrics, replicas.counters)
-        checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, topology.world_size, topology.rank, feedback)
-        last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor,
-                          checkpointer, run.start_step, cfg.comm.grad_as_bucket_view, devices[0])
-        result = processor.finish(replicas.local_models(), replicas.module, last, devices[0], run_path,
-                                  topology.rank)
+        result = train_and_report(cfg, run, replicas, topology, metrics, replicas.counters, run_path, topology.rank,
+                                  devices[0], feedback)
         finished = True
         return result
     finally:

@@ -26,11 +26,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app import error_feedback
 from hybrid.app.config import TrainConfig
-from hybrid.app.loop import Checkpointer, train_loop
+from hybrid.app.loop import train_and_report
 from hybrid.app.metrics import Metrics, NullMetrics, TensorBoardMetrics
 from hybrid.app.node_parallel import train_thread_mode
 from hybrid.app.replicas import RankReplica, loss_of
-from hybrid.app.run_metrics import MetricsProcessor, describe_auto_calibration
+from hybrid.app.run_metrics import describe_auto_calibration
 from hybrid.app.setup import device_for, sample_batch, set_up
 from hybrid.core.comm import (
     AutoCommunicator,
@@ -121,11 +121,8 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
         x, y = sample_batch(run.dataset, cfg.data.batch_size, device)
         settle_buckets(ddp, hook, lambda: loss_of(ddp, x, y).backward())
         replicas = RankReplica(ddp, run.streams[0], device, cfg.trainer.precision)
-        processor = MetricsProcessor(cfg, topology, metrics, counters, comm)
-        checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, topology.world_size, rank, feedback)
-        last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor,
-                          checkpointer, run.start_step, cfg.comm.grad_as_bucket_view, device)
-        result = processor.finish(replicas.local_models(), replicas.module, last, device, run_path, rank)
+        result = train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, feedback,
+                                  comm)
         finished = True
         return result
     finally:

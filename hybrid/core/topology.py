@@ -161,7 +161,7 @@ class Topology:
 
     @property
     def is_uniform(self) -> bool:
-        return len(set(self.node_sizes)) == 1
+        return self.layout.is_uniform
 
     @property
     def node(self) -> int:

@@ -2,7 +2,7 @@
 
 Where the communicator benchmark times one collective, this one runs the
 trainer itself (:func:`hybrid.app.trainer.run_worker`, the code ``python -m
-hybrid.app.train`` runs) for ``--steps`` steps per configuration, so overlap of
+hybrid.train`` runs) for ``--steps`` steps per configuration, so overlap of
 communication with backward, DDP's bucketing, the comm hook's hand-off and
 memory all count. One invocation runs every (layout, comm) configuration
 ``--rounds`` times, taking turns (the order reverses every other round) so a

@@ -310,8 +310,6 @@ class AutoCommunicator(Communicator):
         self.member_for(flat)._sum_(flat, divisor, key)
 
     def starter_for(self, tensor: torch.Tensor) -> Callable[..., "torch.futures.Future[torch.Tensor]"] | None:
-        if self.groups.intra_backend != "gloo" or self.groups.inter_backend != "gloo":
-            return None  # NCCL: every bucket through the comm thread, one order across all groups
         return self.member_for(tensor).starter_for(tensor)
 
     def report(self) -> dict[str, Any]:

@@ -92,9 +92,7 @@ class FlatCommunicator(Communicator):
                 self._divide_(piece, divisor)
 
     def starter_for(self, tensor: torch.Tensor) -> Callable[..., "torch.futures.Future[torch.Tensor]"] | None:
-        # On NCCL every bucket goes through the groups' ordered stream, as auto's do: NCCL communicators used
-        # side by side (flat's world group beside another model's intra/leaders) need one order across them.
-        return self.start_mean_ if self.groups.inter_backend == "gloo" else None
+        return self.start_mean_ if self.groups.gloo_only else None
 
     def start_mean_(self, tensor: torch.Tensor,
                     on_done: Callable[[], None] | None = None) -> "torch.futures.Future[torch.Tensor]":

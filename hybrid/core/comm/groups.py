@@ -119,6 +119,13 @@ class CommGroups:
         )
 
     @property
+    def gloo_only(self) -> bool:
+        """Whether both levels run on gloo. gloo groups never wait on each other, so a collective may leave
+        straight from backward beside those of the ordered stream; NCCL communicators used side by side need
+        one order across all groups, so there every collective goes through the stream."""
+        return self.intra_backend == "gloo" and self.inter_backend == "gloo"
+
+    @property
     def stream(self) -> OrderedStream | None:
         """The ordered stream of these groups' collectives, or None if nothing has asked for one."""
         return self._stream_box[0] if self._stream_box else None
@@ -133,8 +140,7 @@ class CommGroups:
         """
         with _STREAM_LOCK:
             if not self._stream_box:
-                self._stream_box.append(OrderedStream(f"hybrid-comm-{self.topology.rank}",
-                                                      self.timeout.total_seconds()))
+                self._stream_box.append(OrderedStream(f"hybrid-comm-{self.topology.rank}"))
             return self._stream_box[0]
 
     def destroy(self) -> None:

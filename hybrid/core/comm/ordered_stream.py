@@ -52,13 +52,10 @@ class OrderedStream:
     up its place (under the lock) only when no user holds the stream and no
     job is queued, so a user who comes back while it drains finds it still
     running, and no job is ever queued behind a thread that has left.
-    ``timeout_s`` is the groups' per-collective timeout, which bounds every
-    collective a job waits for: each job therefore completes or fails.
     """
 
-    def __init__(self, name: str, timeout_s: float) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
