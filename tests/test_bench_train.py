@@ -41,7 +41,7 @@ def test_summary_takes_medians_ratios_to_the_baseline_and_weak_scaling():
 def test_compose_settings_is_the_trainers_config_and_rejects_uneven_layouts():
     cfg = compose_settings(["model.width=32"], "2x3", "sharded", 7, 0.0)
     assert (cfg.cluster.nnodes, cfg.cluster.nproc_per_node) == (2, 3)
-    assert (cfg.comm.algorithm, cfg.trainer.max_steps, cfg.model.width) == ("sharded", 7, 32)
+    assert (cfg.comm.algorithm, cfg.trainer.max_steps, cfg.model.get("width")) == ("sharded", 7, 32)
     assert not cfg.cluster.testbed.enabled
     assert compose_settings([], "2x1", "ddp", 5, 300.0).cluster.testbed.link_mbit == 300.0
     with pytest.raises(ValueError, match="'3,1'"):

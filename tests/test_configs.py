@@ -2,11 +2,13 @@
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import hybrid.app.train  # noqa: F401  registers the schema (train_schema) with Hydra's ConfigStore
+from hybrid.app.checks import check_components
 from hybrid.app.config import COMM_ALGORITHMS, CommConfig, TrainConfig, validate
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -19,22 +21,26 @@ def compose_with(*overrides: str):
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
-def test_every_group_option_composes_into_typed_settings(group, option, tmp_path):
-    extra = []
+def test_every_group_option_composes_into_typed_settings_and_builds(group, option, tmp_path):
+    extra = [f"data.root={tmp_path}", "data.num_samples=64"] if group not in ("data", "experiment") or option == "synthetic" else []
     if (group, option) == ("data", "files"):
-        (tmp_path / "x.npy").write_bytes(b"")
-        extra = [f"data.inputs={tmp_path / 'x.npy'}"]
+        np.save(tmp_path / "x.npy", np.zeros((8, 64), np.float32))
+        np.save(tmp_path / "y.npy", np.arange(8) % 10)
+        extra = [f"data.inputs={tmp_path / 'x.npy'}", f"data.targets={tmp_path / 'y.npy'}"]
     if (group, option) == ("data", "text"):
         extra = ["model=transformer"]  # next-byte text is for language models (mlp refuses it in one line)
+    if (group, option) == ("model", "gpt2"):
+        extra += ["model.width=16", "model.depth=1"]
     # experiment/ is not in the defaults list: it is added with +experiment=...
     prefix = "+" if group == "experiment" else ""
-    settings = OmegaConf.to_object(compose_with(f"{prefix}{group}={option}", *extra))
+    settings = validate(OmegaConf.to_object(compose_with(f"{prefix}{group}={option}", *extra)))
     assert isinstance(settings, TrainConfig)
-    validate(settings)
+    if group != "experiment":  # experiments are sweeps of big models: composing them is the check here
+        check_components(settings)  # every part builds, and two samples go through model and loss
 
 
 def test_the_groups_the_docs_promise_exist():
-    assert {"cluster", "comm", "model", "data", "optim", "trainer"} <= set(GROUPS)
+    assert {"cluster", "comm", "model", "data", "loss", "optim", "trainer"} <= set(GROUPS)
     assert GROUPS["comm"] == sorted(COMM_ALGORITHMS)
     assert {"mlp", "cnn", "transformer", "gpt2"} <= set(GROUPS["model"])
     assert {"synthetic", "files", "text"} <= set(GROUPS["data"])
@@ -51,10 +57,10 @@ def test_stable_names_scripts_rely_on():
     cfg = compose_with("cluster.nnodes=3", "cluster.nproc_per_node=2", "comm.bucket_mb=4", "trainer.max_steps=7",
                        "trainer.seed=3", "trainer.checkpoint_every=2", "trainer.resume=true", "data.batch_size=8",
                        "model.width=16", "model.depth=2")
-    s = OmegaConf.to_object(cfg)
+    s = validate(OmegaConf.to_object(cfg))
     assert (s.cluster.nnodes, s.cluster.nproc_per_node, s.comm.bucket_mb, s.trainer.max_steps) == (3, 2, 4.0, 7)
     assert (s.trainer.seed, s.trainer.checkpoint_every, s.trainer.resume, s.data.batch_size) == (3, 2, True, 8)
-    assert (s.model.width, s.model.depth) == (16, 2)
+    assert (s.model.get("width"), s.model.get("depth")) == (16, 2)
 
 
 @pytest.mark.parametrize(
@@ -70,3 +76,14 @@ def test_bad_comm_settings_name_the_value_and_what_is_allowed(field, value, need
     with pytest.raises(ValueError) as err:
         CommConfig(**{field: value})
     assert needle in str(err.value)
+
+
+def test_a_built_in_components_label_is_its_config_name():
+    """metrics.json, TensorBoard and the report name a run's parts by their _target_ (lower case): for the
+    shipped ones that is the name users pick them by."""
+    from hybrid.app.components import label_of
+
+    for group in ("model", "data", "loss", "optim"):
+        for option in GROUPS[group]:
+            target = OmegaConf.load(CONF / group / f"{option}.yaml")["_target_"]
+            assert label_of(target) == option, (group, option, target)

@@ -13,29 +13,31 @@ import pytest
 import torch
 import train_workers
 from once import once
+from readme_example import write_example
 
-from hybrid.app.config import TrainConfig
+from hybrid.app.checks import check_components, compose_train_config
 from hybrid.app.node_parallel import replica_topology
-from hybrid.app.setup import load_dataset
 from hybrid.core.topology import Topology
 
 ROOT = Path(tempfile.mkdtemp(prefix="hybrid-node-parallel-tests-"))
 # 2 nodes x 2 devices, SGD with momentum; every step checks that all replicas are identical.
-ARGS = ["cluster=2x2", "model.width=32", "model.depth=2", f"data.root={ROOT / 'data'}", "data.num_samples=1024",
-        "data.batch_size=16", "optim=sgd", "optim.lr=0.1", "optim.warmup_steps=2", "trainer.max_steps=5",
+ARGS = ["cluster=2x2", "optim=sgd", "optim.lr=0.1", "optim.warmup_steps=2", "trainer.max_steps=5",
         "trainer.log_every=1", "trainer.check_replicas_every=1", "comm.timeout_s=120",
         "cluster.launch_timeout_s=180"]
+MLP = ["model.width=32", "model.depth=2", f"data.root={ROOT / 'data'}", "data.num_samples=1024", "data.batch_size=16"]
+EXAMPLE = ROOT / "example"  # the README's package: frozen layer, BatchNorm, shared block, tied head, own data and loss
+MINE = ["model=mynet", "data=spirals", "loss=smoothed", "data.batch_size=16"]
 PLANS = {
-    "process": [("plain", {}), ("accum", {"trainer": {"grad_accum_steps": 2}}),
-                ("first3", {"trainer": {"stop_after": 3}})],
-    "thread": [("plain", {}), ("accum", {"trainer": {"grad_accum_steps": 2}}),
-               ("first3", {"trainer": {"stop_after": 3}}),
-               ("resumed", {"trainer": {"resume": str(ROOT / "thread" / "first3")}}),
-               ("from-process", {"trainer": {"resume": str(ROOT / "process" / "first3")}}),
-               ("bf16", {"comm": {"inter_compression": "bf16"}}),
-               ("bf16-first3", {"comm": {"inter_compression": "bf16"}, "trainer": {"stop_after": 3}}),
-               ("bf16-resumed", {"comm": {"inter_compression": "bf16"},
-                                 "trainer": {"resume": str(ROOT / "thread" / "bf16-first3")}})],
+    "process": [("plain", []), ("accum", ["trainer.grad_accum_steps=2"]), ("first3", ["trainer.stop_after=3"]),
+                ("mine", MINE)],
+    "thread": [("plain", []), ("accum", ["trainer.grad_accum_steps=2"]),
+               ("first3", ["trainer.stop_after=3"]),
+               ("resumed", [f"trainer.resume={ROOT / 'thread' / 'first3'}"]),
+               ("from-process", [f"trainer.resume={ROOT / 'process' / 'first3'}"]),
+               ("bf16", ["comm.inter_compression=bf16"]),
+               ("bf16-first3", ["comm.inter_compression=bf16", "trainer.stop_after=3"]),
+               ("bf16-resumed", ["comm.inter_compression=bf16", f"trainer.resume={ROOT / 'thread' / 'bf16-first3'}"]),
+               ("mine", MINE)],
 }
 
 
@@ -43,13 +45,6 @@ PLANS = {
 def _remove_root():
     yield
     shutil.rmtree(ROOT, ignore_errors=True)
-
-
-def compose(*overrides: str) -> TrainConfig:
-    """The settings ``python -m hybrid.train *overrides`` runs with."""
-    from hybrid.app.checks import compose_train_config
-
-    return compose_train_config(list(overrides))
 
 
 def hybrid_train(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
@@ -63,11 +58,15 @@ def job(mode: str) -> list[dict]:
     uses (one process per node in thread mode); the results of every rank."""
     from hybrid.app.train import launch_job
 
-    cfg = compose(*ARGS, f"cluster.intra_mode={mode}")
-    load_dataset(cfg.data, cfg.model.name)  # generate the data once, before the ranks start
+    if not EXAMPLE.is_dir():
+        write_example(EXAMPLE)
+        sys.path.insert(0, str(EXAMPLE))  # mypkg, for this process and the spawned workers (they inherit it)
+    plan = [(name, compose_train_config([*ARGS, *([] if extra == MINE else MLP), f"cluster.intra_mode={mode}", *extra],
+                                        user_dirs=[EXAMPLE / "myconf"])) for name, extra in PLANS[mode]]
+    check_components(plan[0][1])  # generate the data once, before the ranks start
     if mode == "thread":
         job("process")  # "from-process" resumes a process-mode checkpoint
-    return launch_job(cfg, train_workers.runs, (cfg, str(ROOT / mode), PLANS[mode]))
+    return launch_job(plan[0][1], train_workers.runs, (str(ROOT / mode), plan))
 
 
 def final_state(run_dir: Path) -> dict:
@@ -98,6 +97,19 @@ def test_thread_mode_matches_process_mode_with_one_process_per_node():
     # The same hierarchical algorithm, counted in the same phases: the same bytes.
     assert metrics["bytes"] == process["bytes"] and metrics["bytes"]["inter_allreduce"] > 0
     assert all(metrics["comm_s"][p] > 0 for p in ("intra_reduce", "inter_allreduce", "intra_broadcast"))
+
+
+def test_thread_mode_trains_a_users_model_with_frozen_tied_and_batchnorm_parts_as_process_mode_does():
+    """The README's example model in thread mode: replicas are deep copies (the tie survives in each), only
+    trainable parameters are reduced and stepped (the frozen projection keeps its bits), BatchNorm's buffers
+    follow the leader; the parameters end as in process mode under DDP."""
+    thread, process = job("thread")[0]["mine"], job("process")[0]["mine"]
+    assert_same_run(ROOT / "thread" / "mine", ROOT / "process" / "mine")
+    state = final_state(ROOT / "thread" / "mine")["model"]
+    assert torch.equal(state["head.weight"], state["class_embedding.weight"])
+    assert torch.equal(state["project.weight"], final_state(ROOT / "process" / "mine")["model"]["project.weight"])
+    assert thread["param_checksums_identical"] and thread["model"] == "mynet"
+    assert thread["final_loss"] == pytest.approx(process["final_loss"], rel=1e-5)
 
 
 def test_thread_mode_gradient_accumulation_matches_process_mode():
@@ -183,7 +195,7 @@ def test_thread_mode_with_another_comm_is_refused_in_one_line(tmp_path, monkeypa
 def test_under_torchrun_thread_mode_wants_one_process_per_node(monkeypatch):
     from hybrid.app.checks import check_torchrun_layout
 
-    cfg = compose("cluster.intra_mode=thread", "cluster.nproc_per_node=4")
+    cfg = compose_train_config(["cluster.intra_mode=thread", "cluster.nproc_per_node=4"])
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(ValueError, match=r"start torchrun with --nproc-per-node 1 \(it has 4\)"):

@@ -285,7 +285,7 @@ def _files_with_a_nan(tmp_path: Path) -> list[str]:
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "y.npy", y)
     return ["cluster=1x2", "data=files", f"data.inputs={tmp_path / 'x.npy'}", f"data.targets={tmp_path / 'y.npy'}",
-            "model.width=32", "data.batch_size=16", "trainer.max_steps=12"]
+            "data.features=16", "model.width=32", "data.batch_size=16", "trainer.max_steps=12"]
 
 
 def test_non_finite_gradients_stop_the_run_by_default(tmp_path):

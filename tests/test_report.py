@@ -4,9 +4,11 @@ import json
 import subprocess
 import sys
 
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hybrid.app.config import ClusterConfig, CommConfig, ModelConfig, TrainConfig
+import hybrid.app.checks  # noqa: F401  registers the schema (train_schema) with Hydra's ConfigStore
+from hybrid.app.config import packaged_conf_dir
 
 MB25 = 25 * 2**20
 
@@ -14,9 +16,10 @@ MB25 = 25 * 2**20
 def make_job(root, num, nnodes, nproc, comm, comm_s=None, step_s=1.0, finished=True, extra=None):
     job = root / str(num)
     (job / ".hydra").mkdir(parents=True)
-    cfg = TrainConfig(cluster=ClusterConfig(nnodes, nproc), comm=CommConfig(algorithm=comm),
-                      model=ModelConfig(width=1024, depth=6))
-    OmegaConf.save(OmegaConf.structured(cfg), job / ".hydra" / "config.yaml")
+    with initialize_config_dir(config_dir=str(packaged_conf_dir()), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"cluster.nnodes={nnodes}", f"cluster.nproc_per_node={nproc}",
+                                                       f"comm={comm}", "model.width=1024", "model.depth=6"])
+    OmegaConf.save(cfg, job / ".hydra" / "config.yaml")  # as Hydra writes it (interpolations kept)
     if finished:
         phases = {"flat_allreduce": 0.0, "intra_reduce": 0.0, "inter_allreduce": 0.0, "intra_broadcast": 0.0}
         phases.update(comm_s or {})

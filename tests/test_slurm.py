@@ -20,7 +20,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from test_launch import left_after, processes_with_marker  # noqa: E402
 
 import hybrid.app.checks  # noqa: E402  also registers the schema (train_schema) with Hydra's ConfigStore
-from hybrid.app.config import TrainConfig  # noqa: E402
+from hybrid.app.checks import compose_train_config  # noqa: E402
 from hybrid.runtime.slurm import SlurmNode, in_submitit_task, rdzv_port  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -89,7 +89,7 @@ def test_task_count_other_than_nnodes_is_one_line_error(monkeypatch):
         SlurmNode.of_this_task(2)
     assert str(err.value).startswith("the submitit job has 1 task(s) but cluster.nnodes=2: one task per node")
     assert "\n" not in str(err.value)
-    cfg = TrainConfig()
+    cfg = compose_train_config([])
     cfg.cluster.testbed.enabled = True
     with pytest.raises(ValueError, match="^cluster.testbed.enabled=true starts its own nodes: run it without "
                                          "hydra/launcher=slurm$"):

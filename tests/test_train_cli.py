@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.app.config import TrainConfig
+from hybrid.app.checks import compose_train_config
 from hybrid.runtime.launch import free_port
 
 SMALL = ["trainer.max_steps=6", "trainer.log_every=3", "data.num_samples=1024", "model.width=32"]
@@ -89,10 +89,16 @@ BAD = [
     (["comm=ring"], "comm='ring' is not one of auto, ddp, flat, hierarchical, sharded"),
     (["model=resnet"], "model='resnet' is not one of cnn, gpt2, mlp, transformer"),
     (["data=text"], "data=text is next-byte prediction for a language model: model=mlp cannot train on it"),
+    (["data=text", "model=cnn"], "data=text is next-byte prediction for a language model: model=cnn cannot train on "
+                                 "it; use model=transformer or model=gpt2"),
     (["data=text", "model=transformer", "data.text_files=[/no/such/*.txt]"],
      "data.text_files=['/no/such/*.txt'] matches no file"),
     (["data=files", "data.inputs=/no/such/file.npy"], "data.inputs='/no/such/file.npy' does not exist"),
-    (["optim.lr=fast"], "optim.lr: Value 'fast' of type 'str' could not be converted to Float"),
+    (["optim.lr=fast"], "optim.lr='fast' is not a number (SGD's default is 0.001)"),
+    (["+optim.nesterov_typo=true"], "optim._target_=torch.optim.SGD: TypeError: got an unexpected keyword argument "
+                                    "'nesterov_typo'"),
+    (["optim.warmup_steps=soon"], "optim.warmup_steps='soon' is not an int"),
+    (["model.width=0"], "model.width=0 must be an integer >= 1"),
     (["comm.bucket_mb=big"], "comm.bucket_mb: Value 'big'"),
     (["comm.typo=1"], "comm.typo: Key 'typo' not in 'CommConfig'"),
     (["trainer.device=cuda"], "trainer.device='cuda' but torch.cuda.is_available() is False"),
@@ -148,8 +154,8 @@ def _bad_files(where: Path) -> dict[str, tuple[list[str], str]]:
     (where / "junk.npy").write_bytes(b"not numpy at all")
     files = lambda x, t="y.npy": ["data=files", f"data.inputs={where / x}", f"data.targets={where / t}"]  # noqa: E731
     return {
-        "shape": (files("x3d.npy"), "inputs have shape (8, 2, 2); mlp needs 2-D inputs"),
-        "dtype": (files("xint.npy"), "inputs have dtype int32; mlp needs floating-point inputs"),
+        "shape": (files("x3d.npy"), "inputs have shape (8, 2, 2); vectors are 2-D (with the samples)"),
+        "dtype": (files("xint.npy"), "inputs have dtype int32; vectors need floating-point values"),
         "empty": (files("empty.npy", "empty.npy"), "has 0 samples"),
         "targets": (files("xok.npy", "yfloat.npy"), "targets have dtype float32; class ids must be integers"),
         "unreadable": (files("junk.npy"), "junk.npy' cannot be read as .npy"),
@@ -202,7 +208,7 @@ def test_more_gpu_workers_than_gpus_is_refused(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    cfg = TrainConfig()
+    cfg = compose_train_config([])
     with pytest.raises(ValueError, match=r"cluster.nproc_per_node=2 but this node has 1 GPU\(s\)"):
         check_devices(cfg)
 
@@ -244,7 +250,7 @@ def test_torchrun_layout_conflicting_with_cluster_override_is_an_error(monkeypat
 
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    cfg = TrainConfig()
+    cfg = compose_train_config([])
     cfg.cluster.nnodes = 3
     with pytest.raises(ValueError, match=r"cluster.nnodes=3 conflicts with torchrun's nnodes \(2\)"):
         check_torchrun_layout(cfg, ["cluster.nnodes=3"])

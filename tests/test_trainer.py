@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import tempfile
 from pathlib import Path
 
@@ -11,81 +12,89 @@ import pytest
 import torch
 import train_workers
 from once import once
+from readme_example import write_example
 
 from hybrid.app.checkpoint import load_checkpoint, save_checkpoint
-from hybrid.app.config import (
-    ClusterConfig,
-    CommConfig,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-    TrainerConfig,
-)
-from hybrid.app.data import ArrayDataset, BatchStream, DatasetSpec, check_arrays, ensure_synthetic
-from hybrid.app.optim import lr_factor
-from hybrid.app.setup import load_dataset
+from hybrid.app.checks import check_components, compose_train_config
+from hybrid.app.components import Component
+from hybrid.app.config import OptimConfig, TrainConfig
+from hybrid.app.data import ArrayDataset, BatchStream
+from hybrid.app.datasets import DatasetSpec, check_arrays, ensure_synthetic
+from hybrid.app.optim import build_optimizer, lr_factor
+from hybrid.app.setup import build_model, load_dataset
 from hybrid.runtime.launch import launch_local
 
 ROOT = Path(tempfile.mkdtemp(prefix="hybrid-trainer-tests-"))
 
 
-def base_config(nnodes: int, nproc: int) -> TrainConfig:
-    return TrainConfig(
-        cluster=ClusterConfig(nnodes, nproc),
-        comm=CommConfig(bucket_mb=0.01, timeout_s=120),  # ~6 buckets for this MLP
-        model=ModelConfig(width=64, depth=3),
-        data=DataConfig(root=str(ROOT / "data"), num_samples=2048, batch_size=16),
-        optim=OptimConfig(lr=0.1, warmup_steps=5),
-        trainer=TrainerConfig(max_steps=20, log_every=10),
-    )
-
+BASE = ["comm.bucket_mb=0.01", "comm.timeout_s=120", "optim.lr=0.1", "optim.warmup_steps=5", "trainer.max_steps=20",
+        "trainer.log_every=10"]
+# Unless a run picks another model and data: ~6 buckets of this MLP.
+MLP_ON_SYNTHETIC = ["model.width=64", "model.depth=3", f"data.root={ROOT / 'data'}", "data.num_samples=2048",
+                    "data.batch_size=16"]
+EXAMPLE = ROOT / "example"  # the README's own package and configs ("Your own model and data")
 
 COMMS = ["ddp", "flat", "hierarchical", "sharded"]
 # Hugging Face's GPT2LMHeadModel (tied embeddings) on the Python docs' text that ships with CPython, byte-level.
-GPT2_ON_TEXT = {"model": {"name": "gpt2", "width": 32, "depth": 2, "heads": 4}, "data": {"name": "text", "seq_len": 32}}
+GPT2_ON_TEXT = ["model=gpt2", "model.width=32", "model.depth=2", "model.heads=4", "data=text", "data.seq_len=32"]
+# The README's example: frozen layer, BatchNorm, shared block, tied head, own dataset and loss.
+MINE = ["model=mynet", "data=spirals", "loss=smoothed", "optim=adamw", "optim.lr=0.01", "data.batch_size=16"]
 # Gradients copied out of DDP's buckets here (the other path of settle_buckets and of zero_grad).
-HIERARCHICAL_BF16 = {"algorithm": "hierarchical", "inter_compression": "bf16", "grad_as_bucket_view": False}
-SHARDED_FP16 = {"algorithm": "sharded", "inter_compression": "fp16"}
+HIERARCHICAL_BF16 = ["comm=hierarchical", "comm.inter_compression=bf16", "comm.grad_as_bucket_view=false"]
+SHARDED_FP16 = ["comm=sharded", "comm.inter_compression=fp16"]
 PLANS = {
-    "2x2": [(c, {"comm": {"algorithm": c}}) for c in COMMS] + [
-        ("straight", {"trainer": {"max_steps": 40}}),
-        ("resumed", {"trainer": {"max_steps": 40, "stop_after": 20}}),
-        ("resumed", {"trainer": {"max_steps": 40, "resume": True}}),
-        ("accum", {"comm": {"algorithm": "hierarchical"}, "trainer": {"grad_accum_steps": 2}}),
-        ("hierarchical+bf16", {"comm": HIERARCHICAL_BF16}),
-        ("hierarchical+bf16-resumed", {"comm": HIERARCHICAL_BF16, "trainer": {"stop_after": 10}}),
-        ("hierarchical+bf16-resumed", {"comm": HIERARCHICAL_BF16, "trainer": {"resume": True}}),
-        ("sharded+fp16", {"comm": SHARDED_FP16}),
-        ("sharded+fp16-resumed", {"comm": SHARDED_FP16, "trainer": {"stop_after": 10}}),
-        ("sharded+fp16-resumed", {"comm": SHARDED_FP16, "trainer": {"resume": True}}),
-        ("auto", {"comm": {"algorithm": "auto"}}),
+    "2x2": [(c, [f"comm={c}"]) for c in COMMS] + [
+        ("straight", ["trainer.max_steps=40"]),
+        ("resumed", ["trainer.max_steps=40", "trainer.stop_after=20"]),
+        ("resumed", ["trainer.max_steps=40", "trainer.resume=true"]),
+        ("accum", ["comm=hierarchical", "trainer.grad_accum_steps=2"]),
+        ("hierarchical+bf16", HIERARCHICAL_BF16),
+        ("hierarchical+bf16-resumed", [*HIERARCHICAL_BF16, "trainer.stop_after=10"]),
+        ("hierarchical+bf16-resumed", [*HIERARCHICAL_BF16, "trainer.resume=true"]),
+        ("sharded+fp16", SHARDED_FP16),
+        ("sharded+fp16-resumed", [*SHARDED_FP16, "trainer.stop_after=10"]),
+        ("sharded+fp16-resumed", [*SHARDED_FP16, "trainer.resume=true"]),
+        ("auto", ["comm=auto"]),
         # Clipping of the averaged gradients, bf16 autocast, DDP's find_unused_parameters (issue 17's trainer keys).
-        ("clip-ddp", {"comm": {"algorithm": "ddp"}, "trainer": {"grad_clip_norm": 0.05}}),
-        ("clip-hierarchical", {"comm": {"algorithm": "hierarchical"}, "trainer": {"grad_clip_norm": 0.05}}),
-        ("bf16-ddp", {"comm": {"algorithm": "ddp"}, "trainer": {"precision": "bf16"}}),
-        ("bf16-sharded", {"comm": {"algorithm": "sharded", "find_unused_parameters": True},
-                          "trainer": {"precision": "bf16"}}),
-    ] + [(f"gpt2-{c}", {"comm": {"algorithm": c}, **GPT2_ON_TEXT}) for c in ("ddp", "hierarchical", "sharded")],
-    "4x2": [(c, {"comm": {"algorithm": c}}) for c in COMMS] + [
-        (f"{c}-resumed", {"comm": {"algorithm": c}, "trainer": {"stop_after": 10, **resume}})
-        for c in ("ddp", "sharded") for resume in ({}, {"resume": True})
+        ("clip-ddp", ["comm=ddp", "trainer.grad_clip_norm=0.05"]),
+        ("clip-hierarchical", ["comm=hierarchical", "trainer.grad_clip_norm=0.05"]),
+        ("bf16-ddp", ["comm=ddp", "trainer.precision=bf16"]),
+        ("bf16-sharded", ["comm=sharded", "comm.find_unused_parameters=true", "trainer.precision=bf16"]),
+    ] + [(f"gpt2-{c}", [f"comm={c}", *GPT2_ON_TEXT]) for c in ("ddp", "hierarchical", "sharded")]
+      + [(f"mine-{c}", [f"comm={c}", *MINE]) for c in COMMS]
+      + [("mine-hierarchical-resumed", ["comm=hierarchical", *MINE, *extra])
+         for extra in (["trainer.stop_after=10"], ["trainer.resume=true"])]
+      + [("mine-sharded+bf16", [*MINE, "comm=sharded", "comm.inter_compression=bf16"]),
+         ("mine-auto", [*MINE, "comm=auto"])],
+    "4x2": [(c, [f"comm={c}"]) for c in COMMS] + [
+        (f"{c}-resumed", [f"comm={c}", *resume])
+        for c in ("ddp", "sharded") for resume in (["trainer.stop_after=10"], ["trainer.resume=true"])
     ],
     # Three ranks: plain DDP divides by a world size that is not a power of two.
-    "3x1": [(c, {"comm": {"algorithm": c}}) for c in ("ddp", "hierarchical")] + [
-        (f"{c}-resumed", {"comm": {"algorithm": c}, "trainer": {"stop_after": 10, **resume}})
-        for c in ("ddp", "hierarchical") for resume in ({}, {"resume": True})
+    "3x1": [(c, [f"comm={c}"]) for c in ("ddp", "hierarchical")] + [
+        (f"{c}-resumed", [f"comm={c}", *resume])
+        for c in ("ddp", "hierarchical") for resume in (["trainer.stop_after=10"], ["trainer.resume=true"])
     ],
 }
 
 
+def settings(layout: str, overrides: list[str]) -> TrainConfig:
+    """What ``python -m hybrid.train --config-dir <example>/myconf`` would run with these overrides."""
+    nnodes, nproc = map(int, layout.split("x"))
+    own_data = any(o.startswith(("model=", "data=")) for o in overrides)
+    return compose_train_config([*BASE, *([] if own_data else MLP_ON_SYNTHETIC), f"cluster.nnodes={nnodes}",
+                                 f"cluster.nproc_per_node={nproc}", *overrides], user_dirs=[EXAMPLE / "myconf"])
+
+
 @once
 def job(layout: str) -> tuple[Path, dict]:
-    nnodes, nproc = map(int, layout.split("x"))
-    cfg = base_config(nnodes, nproc)
-    load_dataset(cfg.data, cfg.model.name)  # generate the data once, before the ranks start
+    if not EXAMPLE.is_dir():
+        write_example(EXAMPLE)
+        sys.path.insert(0, str(EXAMPLE))  # mypkg, for this process and the spawned workers (they inherit it)
+    plan = [(name, settings(layout, overrides)) for name, overrides in PLANS[layout]]
+    check_components(plan[0][1])  # generate the synthetic data once, before the ranks start
     root = ROOT / layout
-    return root, launch_local(cfg.layout, train_workers.runs, (cfg, str(root), PLANS[layout]), timeout_s=270)[0]
+    return root, launch_local(plan[0][1].layout, train_workers.runs, (str(root), plan), timeout_s=300)[0]
 
 
 def model_state(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -202,12 +211,13 @@ def test_training_reduces_the_loss():
 
 
 def test_lr_warmup_then_cosine_to_floor():
-    cfg = OptimConfig(lr=1.0, warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
+    sgd = Component("optim", "torch.optim.SGD", {"_partial_": True, "lr": 1.0})
+    cfg = OptimConfig(sgd, warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
     factors = [lr_factor(s, cfg, 20) for s in range(20)]
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
     assert lr_factor(20, cfg, 20) == pytest.approx(0.1)
-    assert lr_factor(7, OptimConfig(warmup_steps=0, schedule="constant"), 20) == 1.0
+    assert lr_factor(7, OptimConfig(sgd, warmup_steps=0, schedule="constant"), 20) == 1.0
 
 
 def test_synthetic_data_is_generated_once_and_reused(tmp_path):
@@ -221,19 +231,20 @@ def test_synthetic_data_is_generated_once_and_reused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "x,y,model,needle",
+    "x,y,kind,needle",
     [
-        (np.zeros((0, 4), np.float32), np.zeros(0, np.int64), "mlp", "0 samples"),
-        (np.zeros((5, 4), np.float32), np.zeros(4, np.int64), "mlp", "5 inputs but 4 targets"),
-        (np.zeros((5, 4, 2), np.float32), np.zeros(5, np.int64), "mlp", "needs 2-D"),
-        (np.zeros((5, 4), np.int64), np.zeros(5, np.int64), "mlp", "needs floating-point"),
-        (np.zeros((5, 4), np.float32), np.full(5, 10, np.int64), "mlp", "allowed [0, 9]"),
-        (np.zeros((5, 4), np.float32), np.zeros(5, np.float32), "mlp", "must be integers"),
+        (np.zeros((0, 4), np.float32), np.zeros(0, np.int64), "vectors", "0 samples"),
+        (np.zeros((5, 4), np.float32), np.zeros(4, np.int64), "vectors", "5 inputs but 4 targets"),
+        (np.zeros((5, 4, 2), np.float32), np.zeros(5, np.int64), "vectors", "vectors are 2-D"),
+        (np.zeros((5, 4), np.int64), np.zeros(5, np.int64), "vectors", "need floating-point"),
+        (np.zeros((5, 4), np.float32), np.full(5, 10, np.int64), "vectors", "allowed [0, 9] (data.classes=10)"),
+        (np.zeros((5, 4), np.float32), np.zeros(5, np.float32), "any", "must be integers"),
+        (np.zeros((5, 4), np.float32), np.zeros(5, np.int64), "tokens", "tokens need integer ids"),
     ],
 )
-def test_bad_data_is_rejected_with_the_reason(x, y, model, needle):
+def test_bad_data_is_rejected_with_the_reason(x, y, kind, needle):
     with pytest.raises(ValueError) as err:
-        check_arrays(x, y, model, classes=10, vocab_size=16, where="data.inputs='x.npy'")
+        check_arrays(x, y, kind, classes=10, vocab_size=16, where="data.inputs='x.npy'")
     assert needle in str(err.value) and "x.npy" in str(err.value)
 
 
@@ -263,18 +274,22 @@ def test_checkpoint_is_atomic_and_weights_only(tmp_path):
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
 def test_each_model_trains_on_its_synthetic_data(name, tmp_path):
-    from hybrid.app.models import build_model, param_bytes
+    from hybrid.app.models import param_bytes
 
-    cfg = TrainConfig(model=ModelConfig(name=name, width=32, depth=2, channels=8, heads=4),
-                      data=DataConfig(root=str(tmp_path), num_samples=64, seq_len=16, vocab_size=32))
-    data = load_dataset(cfg.data, cfg.model.name)
+    def built(width: int) -> tuple[TrainConfig, torch.nn.Module]:
+        cfg = compose_train_config([f"model={name}", f"model.width={width}", "model.depth=2",
+                                    f"data.root={tmp_path}", "data.num_samples=64", "data.seq_len=16",
+                                    "data.vocab_size=32"])
+        torch.manual_seed(0)
+        return cfg, build_model(cfg.model, torch.device("cpu"))
+
+    cfg, _ = built(32)
+    data = load_dataset(cfg.data)
     x = torch.stack([data[i][0] for i in range(8)])
     y = torch.stack([data[i][1] for i in range(8)])
     sizes = []
     for width in (32, 64):
-        torch.manual_seed(0)
-        model = build_model(name, width=width, depth=2, channels=8, heads=4, input_shape=tuple(x.shape[1:]),
-                            classes=10, vocab_size=32, seq_len=16)
+        _, model = built(width)
         out = model(x)
         loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         loss.backward()
@@ -290,16 +305,24 @@ def test_users_npy_and_pt_files_are_accepted(tmp_path):
     np.save(tmp_path / "y.npy", y)
     torch.save({"inputs": torch.from_numpy(x), "targets": torch.from_numpy(y)}, tmp_path / "both.pt")
     for inputs, targets in ((tmp_path / "x.npy", tmp_path / "y.npy"), (tmp_path / "both.pt", "")):
-        cfg = TrainConfig(data=DataConfig(name="files", inputs=str(inputs), targets=str(targets), classes=3))
-        data = load_dataset(cfg.data, cfg.model.name)
+        cfg = compose_train_config(["data=files", f"data.inputs={inputs}", f"data.targets={targets}",
+                                    "data.features=6", "data.classes=3"])
+        data = load_dataset(cfg.data)
         assert len(data) == 40 and torch.equal(data[5][0], torch.from_numpy(x[5])) and int(data[5][1]) == 2
+        check_components(cfg)  # the MLP is built for 6 features and 3 classes
+    with pytest.raises(ValueError, match=r"inputs have 6 features per sample but data.features=64: give "
+                                         r"data.features=6$"):
+        load_dataset(compose_train_config(["data=files", f"data.inputs={tmp_path / 'both.pt'}",
+                                           "data.classes=3"]).data)
 
 
-def test_adamw_is_available():
-    from hybrid.app.optim import build_optimizer
-
-    opt = build_optimizer([torch.nn.Parameter(torch.ones(2))], OptimConfig(name="adamw", lr=1e-3, weight_decay=0.01))
-    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["weight_decay"] == 0.01
+def test_any_torch_optimizer_by_target():
+    params = [torch.nn.Parameter(torch.ones(2))]
+    opt = build_optimizer(params, compose_train_config(["optim=adamw", "optim.weight_decay=0.02"]).optim)
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["weight_decay"] == 0.02
+    rmsprop = OptimConfig(Component("optim", "torch.optim.RMSprop", {"_partial_": True, "lr": 0.5, "alpha": 0.9}))
+    opt = build_optimizer(params, rmsprop)
+    assert isinstance(opt, torch.optim.RMSprop) and opt.defaults["alpha"] == 0.9 and opt.defaults["lr"] == 0.5
 
 
 def test_clipping_applies_to_the_averaged_gradients_alike_on_every_rank():
@@ -342,3 +365,39 @@ def test_gpt2_on_real_text_matches_plain_ddp_and_its_loss_falls():
         state = model_state(root / f"gpt2-{comm}")
         for key, tensor in reference.items():
             torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{comm} {key}")
+
+
+def test_a_users_own_model_data_and_loss_match_plain_ddp_and_resume_bitwise():
+    """Issue 17's acceptance, on the README's own example given only through --config-dir: a frozen layer, a
+    BatchNorm (buffers broadcast from rank 0, as plain DDP does), one block applied twice, a head tied to the
+    class embeddings, its own dataset and loss. flat, hierarchical and sharded end within assert_close of plain
+    DDP after 20 steps on 2x2 with identical replicas; 10 steps + resume end on 20 straight steps' bits."""
+    root, results = job("2x2")
+    reference = model_state(root / "mine-ddp")
+    frozen = reference["project.weight"]
+    assert torch.equal(reference["head.weight"], reference["class_embedding.weight"])  # still tied
+    assert int(reference["norm.num_batches_tracked"]) == 20  # the BatchNorm ran in every step
+    initial = torch.load(root / "mine-ddp" / "checkpoints" / "last.pt", weights_only=True)
+    for comm in COMMS:
+        metrics = results[f"mine-{comm}"]
+        assert metrics["param_checksums_identical"] and metrics["model"] == "mynet", comm
+        assert metrics["final_loss"] < math.log(3), (comm, metrics["final_loss"])  # below a uniform guess
+        state = model_state(root / f"mine-{comm}")
+        assert torch.equal(state["project.weight"], frozen)  # frozen: the same initial bits everywhere
+        for key, tensor in reference.items():
+            torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{comm} {key}")
+    assert initial["optimizer"]["state"], "AdamW stepped"
+    assert results["mine-hierarchical-resumed"]["steps_run"] == 10
+    straight = torch.load(root / "mine-hierarchical" / "checkpoints" / "last.pt", weights_only=True)
+    resumed = torch.load(root / "mine-hierarchical-resumed" / "checkpoints" / "last.pt", weights_only=True)
+    for key in straight["model"]:
+        assert torch.equal(straight["model"][key], resumed["model"][key]), key
+    # comm=auto on it: whatever it chose per bucket, the same run as DDP's.
+    assert results["mine-auto"]["param_checksums_identical"] and results["mine-auto"]["comm_auto"]["decisions"]
+    for key, tensor in reference.items():
+        torch.testing.assert_close(model_state(root / "mine-auto")[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    # A 16-bit inter-node hop with error feedback: the same model to within 16-bit rounding, not another run.
+    compressed = results["mine-sharded+bf16"]
+    assert compressed["param_checksums_identical"] and compressed["inter_compression"] == "bf16"
+    gap = max((model_state(root / "mine-sharded+bf16")[k] - v).abs().max().item() for k, v in reference.items())
+    assert 0 < gap < 5e-3, gap

@@ -6,7 +6,6 @@ starting workers (seconds each on this machine) is paid once per layout.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +18,14 @@ from hybrid.core.topology import discover_topology
 from hybrid.runtime.distributed import init_distributed, shutdown_distributed
 
 
-def runs(base: TrainConfig, root: str, plan: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """``plan``: (run name, {section: {field: value}} overrides); runs happen in order."""
+def runs(root: str, plan: list[tuple[str, TrainConfig]]) -> dict[str, Any]:
+    """``plan``: (run name, its settings); runs happen in order."""
     env = init_distributed(timeout_s=120)
     out: dict[str, Any] = {}
     try:
         topology = discover_topology(env)
         torch.set_num_threads(1)
-        for name, overrides in plan:
-            cfg = base
-            for section, fields in overrides.items():
-                cfg = replace(cfg, **{section: replace(getattr(cfg, section), **fields)})
+        for name, cfg in plan:
             result = train_worker(cfg, topology, torch.device("cpu"), Path(root) / name, NullMetrics(), env.rank)
             if result is not None:
                 out[name] = result

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +18,31 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybrid.app.checkpoint import CHECKPOINT_NAME, checkpoint_steps, latest_manifest
-from hybrid.app.config import TrainConfig, packaged_conf_dir, resume_continues_this_run, resume_target, validate
-from hybrid.app.setup import load_dataset
+from hybrid.app.components import ComponentError
+from hybrid.app.config import (
+    TrainConfig,
+    TrainSchema,
+    check_pairing,
+    packaged_conf_dir,
+    resume_continues_this_run,
+    resume_target,
+    validate,
+)
+from hybrid.app.losses import batch_loss
+from hybrid.app.optim import check_optimizer
+from hybrid.app.setup import build_loss, build_model, load_dataset, sample_batch
 from hybrid.runtime.slurm import in_submitit_task
 from hybrid.runtime.testbed import testbed_available
 
-__all__ = ["check_devices", "compose_train_config", "check_resume", "check_run_dir", "check_testbed", "check_torchrun_layout",
-           "one_line_error", "precheck", "prepare", "under_torchrun"]
+__all__ = ["check_components", "check_devices", "compose_train_config", "check_resume", "check_run_dir", "check_testbed", "check_torchrun_layout",
+           "one_line_error", "precheck", "prepare", "settings_of", "split_config_dirs", "under_torchrun"]
 
 # The schema every config and override is checked against (conf/config.yaml lists it in its defaults).
-ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+ConfigStore.instance().store(name="train_schema", node=TrainSchema)
 
 
 def under_torchrun() -> bool:
@@ -98,10 +108,44 @@ def check_run_dir(run_dir: Path, resume: Any) -> None:
 
 
 def prepare(cfg: TrainConfig) -> None:
-    """Checks that need the data and devices; also generates synthetic data once, up front."""
+    """Checks that need the components and devices; also generates synthetic data once, up front."""
     check_testbed(cfg)
     check_devices(cfg)
-    load_dataset(cfg.data, cfg.model.name)
+    check_components(cfg)
+
+
+def check_components(cfg: TrainConfig) -> None:
+    """Build the dataset, model, loss and optimizer once, on the CPU, and put two samples through model and
+    loss: what would fail in every worker fails here, in one line, before anything starts."""
+    torch.manual_seed(cfg.trainer.seed)
+    model = build_model(cfg.model, torch.device("cpu"))
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ComponentError(f"model._target_={cfg.model.target} has no trainable parameters: nothing to train")
+    loss_fn = build_loss(cfg.loss)
+    check_optimizer(cfg.optim)
+    dataset = load_dataset(cfg.data)  # last: a built-in one may generate its data into data.root
+    x, y = sample_batch(dataset, 2, torch.device("cpu"))
+    try:
+        loss = batch_loss(model, x, y, loss_fn)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ComponentError(f"model={cfg.model.label} with loss={cfg.loss.label} cannot train on "
+                             f"data={cfg.data.dataset.label} (a batch of {_shape(x)} inputs, {_shape(y)} targets): "
+                             f"{type(exc).__name__}: {first}") from exc
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        raise ComponentError(f"loss._target_={cfg.loss.target} gave {_shape(loss)}: the loss must be a "
+                             "floating-point scalar tensor")
+    if not loss.requires_grad:
+        raise ComponentError(f"loss._target_={cfg.loss.target} gave a loss that does not depend on the model's "
+                             "parameters (no gradient): nothing to train")
+
+
+def _shape(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_shape(v)}" for k, v in value.items()) + "}"
+    return type(value).__name__
 
 
 def check_resume(resume: object, run_dir: Path | None, model_config: dict | None = None) -> None:
@@ -140,12 +184,12 @@ def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return task, hydra_overrides
 
 
-def one_line_error(exc: BaseException, conf_dir: Path) -> str:
+def one_line_error(exc: BaseException, conf_dir: Path, user_dirs: list[Path] | tuple[Path, ...] = ()) -> str:
     text = str(exc)
     missing = re.search(r"Could not find '([\w/]+)/([^']+)'", text)
     if missing:
         group, choice = missing.groups()
-        options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+        options = sorted({p.stem for d in (conf_dir, *user_dirs) for p in (d / group).glob("*.yaml")})
         return f"{group}={choice!r} is not one of {', '.join(options)}"
     cause = exc.__cause__ or exc
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
@@ -155,30 +199,60 @@ def one_line_error(exc: BaseException, conf_dir: Path) -> str:
     return " ".join(lines[:2]) if lines else type(exc).__name__
 
 
-def compose_train_config(overrides: list[str], conf_dir: Path | None = None) -> TrainConfig:
-    """The validated settings ``python -m hybrid.train *overrides`` would run with (nothing is started)."""
+def compose_train_config(overrides: list[str], conf_dir: Path | None = None,
+                         user_dirs: list[Path] | tuple[Path, ...] = ()) -> TrainConfig:
+    """The validated settings ``python -m hybrid.train [--config-dir D] *overrides`` would run with (nothing is
+    started); ``user_dirs`` are the ``--config-dir`` directories, searched as Hydra searches them."""
+    extra = [f"hydra.searchpath=[{','.join(f'file://{Path(d).resolve()}' for d in user_dirs)}]"] if user_dirs else []
     with initialize_config_dir(config_dir=str(conf_dir or packaged_conf_dir()), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
+        cfg = compose(config_name="config", overrides=[*extra, *overrides])
+    return settings_of(cfg)
+
+
+def settings_of(cfg: DictConfig) -> TrainConfig:
+    """The validated settings of a composed config."""
+    model, data = cfg.get("model") or {}, cfg.get("data") or {}
+    check_pairing(model.get("_target_"), data.get("_target_"), data.get("kind"))  # before interpolations resolve
     return validate(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
+
+
+CONFIG_DIR_FLAGS = ("--config-dir", "-cd")
+
+
+def split_config_dirs(argv: list[str]) -> tuple[list[str], list[Path]]:
+    """``argv`` without Hydra's ``--config-dir D`` / ``--config-dir=D`` / ``-cd D``, and those directories."""
+    rest, dirs = [], []
+    args = iter(argv)
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        if flag in CONFIG_DIR_FLAGS:
+            dirs.append(Path(value if eq else next(args, "")).expanduser())
+        else:
+            rest.append(arg)
+    return rest, dirs
 
 
 def precheck(argv: list[str], conf_dir: Path | None = None) -> str | None:
     """Compose, type-check and validate the config of ``argv``; return an error line or None."""
     conf_dir = conf_dir or packaged_conf_dir()
+    argv, user_dirs = split_config_dirs(argv)
     if any(arg.startswith("-") for arg in argv):
         return None  # --help, --cfg, -m ...: Hydra's own modes
+    for directory in user_dirs:
+        if not directory.is_dir():
+            return f"--config-dir {str(directory)!r} does not exist or is not a directory"
     task, hydra_overrides = _split(argv)
     try:
-        settings = compose_train_config(task, conf_dir)
+        settings = compose_train_config(task, conf_dir, user_dirs)
         if under_torchrun():
             check_torchrun_layout(settings, task)
         run_dir = hydra_overrides.get("hydra.run.dir")
         if run_dir:
             check_run_dir(Path(run_dir), settings.trainer.resume)
-        check_resume(settings.trainer.resume, Path(run_dir) if run_dir else None, asdict(settings.model))
+        check_resume(settings.trainer.resume, Path(run_dir) if run_dir else None, settings.model.node)
         prepare(settings)
     except (HydraException, OmegaConfBaseException) as exc:
-        return one_line_error(exc, conf_dir)
+        return one_line_error(exc, conf_dir, user_dirs)
     except ValueError as exc:
         return str(exc).strip().splitlines()[0]
     return None

@@ -1,23 +1,26 @@
 """Typed settings of a training run.
 
-These dataclasses are the schema Hydra validates every config and override
-against (registered in :mod:`hybrid.app.train`), and, once composed, the plain
-objects (``OmegaConf.to_object``) the trainer receives: no DictConfig crosses
-into the training code, and this module does not import Hydra.
-
-:func:`validate` adds the checks a type cannot express (ranges, choices,
-files that must exist), each failing with one line that names the key, the
-bad value and what is allowed.
+:class:`TrainSchema` is what Hydra validates every config and override against
+(registered in :mod:`hybrid.app.checks`): typed sections for the cluster, the
+communicator and the trainer, open ``_target_`` nodes for the pluggable model,
+data, loss and optimizer. :func:`validate` turns the composed schema
+(``OmegaConf.to_object``) into a :class:`TrainConfig`, the plain objects the
+trainer receives (no DictConfig crosses into the training code), adding the
+checks a type cannot express (ranges, choices, which data a built-in model
+takes), each failing with one line that names the key, the bad value and what
+is allowed.
 """
 
 from __future__ import annotations
 
 import importlib.resources
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hybrid.app.data import KIND_OF_MODEL
+from hybrid.app.components import Component, component_of, label_of
+from hybrid.app.datasets import SYNTHETIC_TARGET, TEXT_KIND, TEXT_TARGET
+from hybrid.app.models import INPUT_KIND
 from hybrid.core.comm.compression import INTER_COMPRESSIONS
 from hybrid.core.comm.groups import BACKENDS
 from hybrid.core.comm.registry import CHOOSABLE, COMPRESSIBLE
@@ -28,10 +31,13 @@ __all__ = [
     "CONF_PACKAGE",
     "ClusterConfig",
     "CommConfig",
+    "DATA_KEYS",
     "DataConfig",
-    "ModelConfig",
+    "OPTIM_KEYS",
     "OptimConfig",
     "TrainConfig",
+    "TrainSchema",
+    "check_pairing",
     "TestbedConfig",
     "TrainerConfig",
     "packaged_conf_dir",
@@ -44,10 +50,6 @@ __all__ = [
 # carries its configs and Hydra finds them from any directory.
 CONF_PACKAGE = "hybrid.conf"
 
-MODELS = tuple(KIND_OF_MODEL)  # mlp, cnn, transformer, gpt2
-LANGUAGE_MODELS = tuple(m for m, kind in KIND_OF_MODEL.items() if kind == "tokens")  # what data=text can train
-DATASETS = ("synthetic", "files", "text")
-OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_ACTIONS = ("stop", "skip")
@@ -135,42 +137,32 @@ class CommConfig:
 
 
 @dataclass
-class ModelConfig:
-    name: str = "mlp"
-    width: int = 256  # hidden size (MLP, CNN head), d_model (transformer)
-    depth: int = 4  # hidden layers (MLP), conv blocks (CNN), transformer blocks
-    channels: int = 16  # CNN: channels of the first conv block
-    heads: int = 4  # transformer attention heads
-
-
-@dataclass
 class DataConfig:
-    name: str = "synthetic"
-    root: str = "data"  # where synthetic datasets are generated once and reused
-    inputs: str = ""  # name=files: a .npy or .pt file of inputs (.pt may hold both)
-    targets: str = ""  # name=files: a .npy or .pt file of targets
-    num_samples: int = 8192
-    features: int = 64  # MLP input size
-    classes: int = 10
-    image_size: int = 16  # CNN inputs are 1 x image_size x image_size
-    vocab_size: int = 256  # transformer
-    seq_len: int = 64  # transformer
+    """The ``data`` node: the dataset component and the loader keys that are hybrid's (not its arguments)."""
+
+    dataset: Component
     batch_size: int = 32  # per worker, per micro-step
     num_workers: int = 0  # DataLoader worker processes per rank
-    seed: int = 1234  # synthetic data generation
-    # name=text: globs of text files read as bytes (empty: the Python docs' topics that ship with CPython)
-    text_files: list[str] = field(default_factory=list)
 
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 0.0
+    """The ``optim`` node: the optimizer component (a ``_partial_`` torch.optim class, called with the
+    parameters) and hybrid's LR schedule keys."""
+
+    optimizer: Component
     warmup_steps: int = 10
-    schedule: str = "cosine"
+    schedule: str = "cosine"  # cosine | constant (after the warm-up)
     min_lr_ratio: float = 0.1
+
+    @property
+    def lr(self) -> Any:
+        return self.optimizer.get("lr")
+
+
+# hybrid's own keys of each component node, with their defaults; the rest of a node is its target's arguments.
+DATA_KEYS = {"batch_size": 32, "num_workers": 0}
+OPTIM_KEYS = {"warmup_steps": 10, "schedule": "cosine", "min_lr_ratio": 0.1}
 
 
 @dataclass
@@ -192,13 +184,30 @@ class TrainerConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainSchema:
+    """What Hydra composes and type-checks (registered as ``train_schema``). The pluggable parts are open
+    ``_target_`` nodes (any arguments); :func:`validate` turns the whole into a :class:`TrainConfig`."""
+
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     comm: CommConfig = field(default_factory=CommConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    model: Any = field(default_factory=dict)
+    data: Any = field(default_factory=lambda: dict(DATA_KEYS))
+    loss: Any = field(default_factory=dict)
+    optim: Any = field(default_factory=lambda: dict(OPTIM_KEYS))
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+@dataclass
+class TrainConfig:
+    """The validated settings of a run: what the trainer, the launchers and the tools receive."""
+
+    cluster: ClusterConfig
+    comm: CommConfig
+    model: Component
+    data: DataConfig
+    loss: Component
+    optim: OptimConfig
+    trainer: TrainerConfig
 
     @property
     def layout(self) -> Layout:
@@ -209,7 +218,6 @@ class TrainConfig:
         """The processes a launch starts: one per device, or one per node with ``cluster.intra_mode=thread``."""
         per_node = 1 if self.cluster.intra_mode == "thread" else self.cluster.nproc_per_node
         return Layout.uniform(self.cluster.nnodes, per_node)
-
 
 
 def packaged_conf_dir() -> Path:
@@ -241,8 +249,10 @@ def resume_target(value: Any, run_dir: Path) -> Path | None:
     return Path(str(value)).expanduser().resolve()
 
 
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Range and choice checks; raises ValueError with one line naming key, value and rule."""
+def validate(cfg: TrainSchema) -> TrainConfig:
+    """Range and choice checks, and the split of each component node into its target and hybrid's keys;
+    raises ValueError with one line naming key, value and rule. Components are built (and so checked
+    further) by :func:`hybrid.app.checks.prepare`."""
     _validate_cluster(cfg.cluster)
     cfg.comm.__post_init__()  # algorithm, backends, bucket size, timeout
     if cfg.cluster.intra_mode == "thread" and cfg.comm.algorithm != "hierarchical":
@@ -250,11 +260,19 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             f"comm={cfg.comm.algorithm} is not available with cluster.intra_mode=thread, which is hierarchical by "
             "construction (reduce inside the node process, all-reduce among node processes): use comm=hierarchical"
         )
-    _validate_model(cfg.model)
-    _validate_data(cfg.data, cfg.model.name)
-    _validate_optim(cfg.optim)
+    model, _ = component_of("model", cfg.model)
+    dataset, loader = component_of("data", cfg.data, DATA_KEYS)
+    data = DataConfig(_with_input_kind(dataset, model), **loader)
+    loss, _ = component_of("loss", cfg.loss)
+    optimizer, schedule = component_of("optim", cfg.optim, OPTIM_KEYS)
+    optim = OptimConfig(optimizer, **schedule)
+    if optimizer.get("_partial_") is not True:
+        raise ValueError(f"optim._partial_={optimizer.get('_partial_')!r}: an optimizer is built with the model's "
+                         "parameters, so its node needs _partial_: true")
+    _validate_loader(data)
+    _validate_schedule(optim)
     _validate_trainer(cfg.trainer)
-    return cfg
+    return TrainConfig(cfg.cluster, cfg.comm, model, data, loss, optim, cfg.trainer)
 
 
 def _validate_cluster(c: ClusterConfig) -> None:
@@ -272,40 +290,42 @@ def _validate_cluster(c: ClusterConfig) -> None:
     _at_least("cluster.testbed.latency_ms", c.testbed.latency_ms, 0.001)
 
 
-def _validate_model(m: ModelConfig) -> None:
-    _one_of("model.name", m.name, MODELS)
-    for key in ("width", "depth", "channels", "heads"):
-        _at_least(f"model.{key}", getattr(m, key), 1)
-    if m.name in LANGUAGE_MODELS and m.width % m.heads:
-        raise ValueError(f"model.width={m.width} must be divisible by model.heads={m.heads}")
+def check_pairing(model_target: Any, data_target: Any, data_kind: Any) -> None:
+    """Refuse a built-in dataset that a built-in model cannot train on. Needs only the two ``_target_`` and
+    ``data.kind``, so it runs before interpolations are resolved (mlp's ``${data.features}`` on text data
+    would otherwise be the first error)."""
+    takes = INPUT_KIND.get(model_target)
+    kind = TEXT_KIND if data_target == TEXT_TARGET else data_kind
+    if takes is None or kind in (None, "auto", "any") or kind == takes:
+        return
+    label = label_of(str(model_target))
+    if data_target == TEXT_TARGET:
+        language = " or ".join(f"model={label_of(t)}" for t, k in INPUT_KIND.items() if k == TEXT_KIND)
+        raise ValueError(f"data=text is next-byte prediction for a language model: model={label} cannot train on "
+                         f"it; use {language}")
+    raise ValueError(f"data.kind={kind} but model={label} takes {takes}: use data.kind=auto or {takes}")
 
 
-def _validate_data(d: DataConfig, model_name: str) -> None:
-    _one_of("data.name", d.name, DATASETS)
-    for key in ("num_samples", "features", "classes", "image_size", "vocab_size", "seq_len", "batch_size"):
-        _at_least(f"data.{key}", getattr(d, key), 1)
+def _with_input_kind(dataset: Component, model: Component) -> Component:
+    """Resolve a built-in dataset's ``kind: auto`` to what a built-in model takes (a user's model: ``any``,
+    no shape checks; data=synthetic must then be told what to generate)."""
+    check_pairing(model.target, dataset.target, dataset.get("kind"))
+    if dataset.get("kind") != "auto":
+        return dataset
+    takes = INPUT_KIND.get(model.target)
+    if takes is None and dataset.target == SYNTHETIC_TARGET:
+        raise ValueError(f"data.kind=auto generates inputs for hybrid's built-in models; "
+                         f"model._target_={model.target} is not one: give data.kind=vectors|images|tokens")
+    return replace(dataset, args={**dataset.args, "kind": takes or "any"})
+
+
+def _validate_loader(d: DataConfig) -> None:
+    _at_least("data.batch_size", d.batch_size, 1)
     _at_least("data.num_workers", d.num_workers, 0)
-    if d.name == "text":
-        if model_name not in LANGUAGE_MODELS:
-            raise ValueError(f"data=text is next-byte prediction for a language model: model={model_name} "
-                             f"cannot train on it; use {' or '.join(f'model={m}' for m in LANGUAGE_MODELS)}")
-        _at_least("data.vocab_size", d.vocab_size, 256)  # every byte value is a token
-    if d.name == "files":
-        if not d.inputs:
-            raise ValueError("data.inputs is empty: data=files needs a .npy or .pt file of inputs")
-        for key in ("inputs", "targets"):
-            path = getattr(d, key)
-            if path and not Path(path).expanduser().is_file():
-                raise ValueError(f"data.{key}={path!r} does not exist or is not a file")
 
 
-def _validate_optim(o: OptimConfig) -> None:
-    _one_of("optim.name", o.name, OPTIMIZERS)
+def _validate_schedule(o: OptimConfig) -> None:
     _one_of("optim.schedule", o.schedule, SCHEDULES)
-    if not o.lr > 0:
-        raise ValueError(f"optim.lr={o.lr!r} must be > 0")
-    _at_least("optim.momentum", o.momentum, 0)
-    _at_least("optim.weight_decay", o.weight_decay, 0)
     _at_least("optim.warmup_steps", o.warmup_steps, 0)
     if not 0 <= o.min_lr_ratio <= 1:
         raise ValueError(f"optim.min_lr_ratio={o.min_lr_ratio!r} must be in [0, 1]")

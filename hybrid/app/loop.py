@@ -10,7 +10,6 @@ without talking.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,8 @@ import torch.distributed as dist
 
 from hybrid.app import error_feedback
 from hybrid.app.checkpoint import save_checkpoint
-from hybrid.app.config import ModelConfig, TrainConfig, TrainerConfig
+from hybrid.app.components import Component
+from hybrid.app.config import TrainConfig, TrainerConfig
 from hybrid.app.data import BatchStream
 from hybrid.app.metrics import Metrics
 from hybrid.app.replicas import Replicas, check_replicas, grads_finite
@@ -54,8 +54,8 @@ def train_step(replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: 
     # With gradients as bucket views, zeroing in place keeps them views: backward then accumulates straight
     # into DDP's buckets. Setting them to None would make autograd allocate fresh gradients each step and DDP
     # copy them into the buckets again (its own no-hook path fuses the averaging into that copy; a comm hook
-    # cannot, so it would pay one more pass over the gradients than DDP). Every parameter of our models gets
-    # a gradient every step, so zeros and None give the same update.
+    # cannot, so it would pay one more pass over the gradients than DDP). Every comm, ddp included, zeroes
+    # the same way, so a parameter unused in a step gets the same update under each.
     optimizer.zero_grad(set_to_none=not grads_as_bucket_views)
     replicas.end_step()
     return total_loss
@@ -64,10 +64,10 @@ def train_step(replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: 
 class Checkpointer:
     """Writes the run's checkpoints (rank 0), with every rank's error-feedback residuals gathered to it."""
 
-    def __init__(self, run_path: Path, trainer: TrainerConfig, model_config: ModelConfig, world_size: int,
+    def __init__(self, run_path: Path, trainer: TrainerConfig, model_config: Component, world_size: int,
                  rank: int, feedback: error_feedback.ErrorFeedback | None) -> None:
         self.directory, self.keep = run_path / "checkpoints", trainer.keep_checkpoints
-        self.meta = {"model_config": asdict(model_config), "world_size": world_size}
+        self.meta = {"model_config": model_config.node, "world_size": world_size}
         self.rank, self.feedback = rank, feedback
 
     def save(self, step: int, replicas: Replicas, optimizer: Any, scheduler: Any, stream: BatchStream) -> None:

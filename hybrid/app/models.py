@@ -1,4 +1,4 @@
-"""A small model zoo whose gradient size is a config knob (width x depth).
+"""The built-in models (targets of ``conf/model/*.yaml``), whose gradient size is a config knob (width x depth).
 
 Parameter bytes (= gradient bytes per step) are roughly: MLP depth * width^2,
 CNN channels^2 * 9 * depth + head, transformer 12 * depth * width^2 +
@@ -11,11 +11,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["CNN", "MLP", "HFCausalLM", "TransformerLM", "build_model", "gpt2", "param_bytes"]
+__all__ = ["CNN", "INPUT_KIND", "MLP", "HFCausalLM", "Transformer", "gpt2", "param_bytes"]
+
+# What each built-in model takes, by its _target_: a generated dataset (data=synthetic, kind auto) makes these.
+INPUT_KIND = {
+    "hybrid.app.models.MLP": "vectors",
+    "hybrid.app.models.CNN": "images",
+    "hybrid.app.models.Transformer": "tokens",
+    "hybrid.app.models.gpt2": "tokens",
+}
+
+
+def _check_sizes(**sizes: int) -> None:
+    """One line naming the config key (``model.width``) of a size that is not a positive integer."""
+    for key, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"model.{key}={value!r} must be an integer >= 1")
+    if "heads" in sizes and sizes["width"] % sizes["heads"]:
+        raise ValueError(f"model.width={sizes['width']} must be divisible by model.heads={sizes['heads']}")
 
 
 class MLP(nn.Module):
     def __init__(self, in_features: int, width: int, depth: int, classes: int) -> None:
+        _check_sizes(in_features=in_features, width=width, depth=depth, classes=classes)
         super().__init__()
         layers: list[nn.Module] = [nn.Linear(in_features, width), nn.ReLU()]
         for _ in range(depth - 1):
@@ -31,6 +49,7 @@ class CNN(nn.Module):
     """Conv blocks (3x3 conv, ReLU; every second block halves the resolution) and a linear head."""
 
     def __init__(self, in_channels: int, channels: int, depth: int, width: int, classes: int) -> None:
+        _check_sizes(in_channels=in_channels, channels=channels, depth=depth, width=width, classes=classes)
         super().__init__()
         blocks: list[nn.Module] = []
         c_in = in_channels
@@ -46,10 +65,11 @@ class CNN(nn.Module):
         return self.head(self.features(x))
 
 
-class TransformerLM(nn.Module):
+class Transformer(nn.Module):
     """A decoder-only language model (pre-norm blocks, causal mask, learned positions)."""
 
     def __init__(self, vocab_size: int, seq_len: int, width: int, depth: int, heads: int) -> None:
+        _check_sizes(vocab_size=vocab_size, seq_len=seq_len, width=width, depth=depth, heads=heads)
         super().__init__()
         self.embed = nn.Embedding(vocab_size, width)
         self.pos = nn.Parameter(torch.zeros(1, seq_len, width))
@@ -70,7 +90,7 @@ class TransformerLM(nn.Module):
 
 
 class HFCausalLM(nn.Module):
-    """A Hugging Face causal language model seen as ``tokens -> logits``, like :class:`TransformerLM`.
+    """A Hugging Face causal language model seen as ``tokens -> logits``, like :class:`Transformer`.
 
     The loop, DDP and the checkpoints then treat it as any of our models; its
     own output object (with caches and optional loss) stays inside."""
@@ -87,6 +107,7 @@ def gpt2(vocab_size: int, seq_len: int, width: int, depth: int, heads: int) -> H
     """Hugging Face ``GPT2LMHeadModel``, randomly initialised from a ``GPT2Config`` (nothing is downloaded);
     its input and output embeddings are tied, as in GPT-2. Dropout is off, as in our other models, so runs
     differ only by how gradients travel."""
+    _check_sizes(vocab_size=vocab_size, seq_len=seq_len, width=width, depth=depth, heads=heads)
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError as exc:
@@ -95,20 +116,6 @@ def gpt2(vocab_size: int, seq_len: int, width: int, depth: int, heads: int) -> H
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
                         bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
     return HFCausalLM(GPT2LMHeadModel(config))
-
-
-def build_model(name: str, *, width: int, depth: int, channels: int, heads: int, input_shape: tuple[int, ...],
-                classes: int, vocab_size: int, seq_len: int) -> nn.Module:
-    """Build the named model for inputs of ``input_shape`` (one sample, without the batch dim)."""
-    if name == "mlp":
-        return MLP(input_shape[0], width, depth, classes)
-    if name == "cnn":
-        return CNN(input_shape[0], channels, depth, width, classes)
-    if name == "transformer":
-        return TransformerLM(vocab_size, max(seq_len, input_shape[0]), width, depth, heads)
-    if name == "gpt2":
-        return gpt2(vocab_size, max(seq_len, input_shape[0]), width, depth, heads)
-    raise ValueError(f"model.name={name!r} is not one of mlp, cnn, transformer, gpt2")
 
 
 def param_bytes(model: nn.Module) -> int:

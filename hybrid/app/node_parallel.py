@@ -50,8 +50,9 @@ from hybrid.app import error_feedback
 from hybrid.app.config import TrainConfig
 from hybrid.app.data import BatchStream
 from hybrid.app.loop import train_and_report
+from hybrid.app.losses import LossFn, batch_loss, move_to
 from hybrid.app.metrics import Metrics
-from hybrid.app.replicas import autocast_for, loss_of
+from hybrid.app.replicas import autocast_for
 from hybrid.app.setup import set_up
 from hybrid.core.comm import CommGroups, Communicator, PhaseCounters
 from hybrid.core.comm.counters import rooted_bytes
@@ -98,7 +99,7 @@ def train_thread_mode(cfg: TrainConfig, processes: Topology, device: torch.devic
     replicas = NodeReplicas(run.model, devices, run.streams, comm, bucket_bytes=max(1, int(cfg.comm.bucket_mb * 2**20)),
                             timeout_s=cfg.comm.timeout_s,
                             threads_per_replica=max(1, torch.get_num_threads() // per_node),
-                            precision=cfg.trainer.precision)
+                            loss_fn=run.loss_fn, precision=cfg.trainer.precision)
     finished = False
     try:
         result = train_and_report(cfg, run, replicas, topology, metrics, replicas.counters, run_path, topology.rank,
@@ -183,7 +184,7 @@ class NodeReplicas:
 
     def __init__(self, leader: nn.Module, devices: list[torch.device], streams: list[BatchStream],
                  comm: NodeProcessCommunicator, *, bucket_bytes: int, timeout_s: float,
-                 threads_per_replica: int, precision: str = "fp32") -> None:
+                 threads_per_replica: int, loss_fn: LossFn, precision: str = "fp32") -> None:
         if len(devices) != len(streams):
             raise ValueError(f"{len(devices)} devices but {len(streams)} batch streams: one each per replica")
         self.module = leader
@@ -191,7 +192,10 @@ class NodeReplicas:
         self.topology, self.counters = comm.topology, comm.counters
         # Copied from the leader as it stands (after any resume): every replica starts identical.
         self.replicas = [leader] + [copy.deepcopy(leader).to(d) for d in devices[1:]]
-        self._params = [list(m.parameters()) for m in self.replicas]
+        # Trainable parameters only: a frozen one keeps no gradient (as under DDP) and is never stepped.
+        self._params = [[p for p in m.parameters() if p.requires_grad] for m in self.replicas]
+        self._buffers = [list(m.buffers()) for m in self.replicas]
+        self._loss_fn = loss_fn
         self._param_bytes = sum(p.nbytes for p in self._params[0])
         self._buckets = self._bucket(bucket_bytes)
         # Intra-op threads per replica thread: the replicas share this process's cores.
@@ -252,9 +256,9 @@ class NodeReplicas:
         with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
             total = torch.zeros((), device=device)
             for x, y in batches:
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x, y = move_to(x, device, non_blocking=True), move_to(y, device, non_blocking=True)
                 with autocast_for(device, self._precision):
-                    loss = loss_of(model, x, y) / accum
+                    loss = batch_loss(model, x, y, self._loss_fn) / accum
                 loss.backward()
                 total += loss.detach()
             return total
@@ -282,8 +286,8 @@ class NodeReplicas:
                     p.grad.copy_(reduced.view_as(p))
 
     def end_step(self) -> None:
-        """After the optimizer step (or a skipped one): the other replicas take the leader's parameters
-        (DataParallel's re-replication) and drop their gradients."""
+        """After the optimizer step (or a skipped one): the other replicas take the leader's parameters and
+        buffers (DataParallel's re-replication; DDP's buffer broadcast from rank 0) and drop their gradients."""
         if len(self.replicas) == 1:
             return
         start = time.perf_counter()
@@ -292,6 +296,9 @@ class NodeReplicas:
                 for p, q in zip(params, self._params[0]):
                     p.copy_(q, non_blocking=True)
                     p.grad = None
+            for buffers in self._buffers[1:]:
+                for b, c in zip(buffers, self._buffers[0]):
+                    b.copy_(c, non_blocking=True)
         for device in dict.fromkeys(self.devices):
             _synchronize(device)
         self.counters.add("intra_broadcast", time.perf_counter() - start,

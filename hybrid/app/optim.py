@@ -1,27 +1,55 @@
-"""Optimizers (SGD, AdamW) and the LR schedule: linear warm-up, then cosine decay or constant."""
+"""The optimizer (any ``torch.optim`` class, from ``optim._target_``) and hybrid's LR schedule: linear warm-up,
+then cosine decay or constant."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Iterable
 
 import torch
 
+from hybrid.app.components import ComponentError
 from hybrid.app.config import OptimConfig
 
-__all__ = ["build_optimizer", "build_scheduler", "lr_factor"]
+__all__ = ["build_optimizer", "build_scheduler", "check_optimizer", "lr_factor"]
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    raise ValueError(f"optim.name={cfg.name!r} is not one of sgd, adamw")
+    """``optim._target_`` (a ``_partial_`` optimizer class) called with the parameters."""
+    optimizer = cfg.optimizer.build(list(params))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ComponentError(f"optim._target_={cfg.optimizer.target} gave a {type(optimizer).__name__}, not a "
+                             "torch.optim.Optimizer (an optimizer class needs _partial_: true)")
+    return optimizer
+
+
+def check_optimizer(cfg: OptimConfig) -> None:
+    """What :func:`build_optimizer` would refuse, found without building one (constructing the first optimizer
+    imports torch's compiler stack, over a second that every ``hybrid.train`` call would pay up front): the
+    target must be an optimizer class, take these arguments, and get numbers where its defaults are numbers."""
+    factory = cfg.optimizer.build()  # a functools.partial of the class: nothing constructed yet
+    cls, args, kwargs = getattr(factory, "func", factory), getattr(factory, "args", ()), getattr(factory, "keywords", {})
+    where = f"optim._target_={cfg.optimizer.target}"
+    if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)):
+        raise ComponentError(f"{where} is not a torch.optim.Optimizer class")
+    signature = inspect.signature(cls)
+    try:
+        signature.bind([], *args, **kwargs)
+    except TypeError as exc:
+        raise ComponentError(f"{where}: TypeError: {exc}") from exc
+    for name, value in kwargs.items():
+        default = signature.parameters[name].default if name in signature.parameters else None
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and not number:
+            raise ComponentError(f"optim.{name}={value!r} is not a number ({cls.__name__}'s default is {default!r})")
+    lr = kwargs.get("lr")
+    if isinstance(lr, (int, float)) and not lr > 0:
+        raise ComponentError(f"optim.lr={lr!r} must be > 0")
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
-    """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based)."""
+    """Multiplier of the optimizer's learning rate for optimizer step ``step`` (0-based)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":

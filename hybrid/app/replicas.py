@@ -13,8 +13,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app.data import BatchStream
+from hybrid.app.losses import LossFn, batch_loss, move_to
 
-__all__ = ["RankReplica", "ReplicaDivergence", "Replicas", "autocast_for", "check_replicas", "grads_finite", "loss_of",
+__all__ = ["RankReplica", "ReplicaDivergence", "Replicas", "autocast_for", "check_replicas", "grads_finite",
            "param_checksum"]
 
 
@@ -24,12 +25,6 @@ def autocast_for(device: torch.device, precision: str) -> Any:
     if precision == "fp32":
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
-def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of ``model(x)`` against ``y`` (per token for sequence models)."""
-    out = model(x)
-    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
 class Replicas(Protocol):
@@ -52,8 +47,10 @@ class Replicas(Protocol):
 class RankReplica:
     """Process mode: one replica per process, this rank's model under DDP."""
 
-    def __init__(self, ddp: DDP, stream: BatchStream, device: torch.device, precision: str = "fp32") -> None:
+    def __init__(self, ddp: DDP, stream: BatchStream, device: torch.device, loss_fn: LossFn,
+                 precision: str = "fp32") -> None:
         self.ddp, self.stream, self.device, self.precision = ddp, stream, device, precision
+        self.loss_fn = loss_fn
 
     @property
     def module(self) -> nn.Module:
@@ -63,11 +60,11 @@ class RankReplica:
         total_loss = torch.zeros((), device=self.device)
         for micro in range(accum):
             x, y = next(self.stream)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            x, y = move_to(x, self.device, non_blocking=True), move_to(y, self.device, non_blocking=True)
             # Only the last micro-step synchronises gradients.
             with self.ddp.no_sync() if micro < accum - 1 else nullcontext():
                 with autocast_for(self.device, self.precision):
-                    loss = loss_of(self.ddp, x, y) / accum
+                    loss = batch_loss(self.ddp, x, y, self.loss_fn) / accum
                 loss.backward()
             total_loss += loss.detach()
         return total_loss
@@ -80,7 +77,9 @@ class RankReplica:
 
 
 def param_checksum(model: nn.Module) -> str:
-    """sha256 over the exact bits of every parameter: equal strings mean bit-identical replicas."""
+    """sha256 over the exact bits of every parameter: equal strings mean bit-identical replicas. Buffers are
+    not in it: as in plain DDP, every forward starts from rank 0's (BatchNorm's running statistics are
+    broadcast), and each rank then updates its copy with its own batch."""
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())

@@ -152,7 +152,7 @@ class MetricsProcessor:
             "world_size": topo.world_size, "steps": last, "steps_run": len(self.step_times),
             "final_loss": self.loss, "samples_per_step": self.samples_per_step, "skipped_steps": self.skipped,
             "comm_s": {k: v[0] for k, v in self.totals.items()}, "bytes": {k: v[1] for k, v in self.totals.items()},
-            "intra_mode": cfg.cluster.intra_mode, "model": cfg.model.name, "bucket_mb": cfg.comm.bucket_mb,
+            "intra_mode": cfg.cluster.intra_mode, "model": cfg.model.label, "bucket_mb": cfg.comm.bucket_mb,
             "batch_size": cfg.data.batch_size, "runs_as": runs_as(self.comm, cfg.comm.algorithm),
         }
 
@@ -169,9 +169,14 @@ class MetricsProcessor:
              "world_size": result["world_size"], "comm": result["comm"], "intra_mode": cfg.cluster.intra_mode,
              "bucket_mb": cfg.comm.bucket_mb,
              "inter_compression": cfg.comm.inter_compression, "runs_as": result["runs_as"],
-             "model": cfg.model.name, "width": cfg.model.width, "depth": cfg.model.depth,
-             "param_bytes": result["param_bytes"], "batch_size": cfg.data.batch_size,
-             "optimizer": cfg.optim.name, "lr": cfg.optim.lr},
+             "model": cfg.model.label, "width": _number(cfg.model.get("width")),
+             "depth": _number(cfg.model.get("depth")), "param_bytes": result["param_bytes"],
+             "batch_size": cfg.data.batch_size, "optimizer": cfg.optim.optimizer.label, "lr": _number(cfg.optim.lr)},
             {"final_loss": self.loss, "samples_per_s": result["samples_per_s"], "mean_step_s": result["mean_step_s"],
              "comm_s": sum(v[0] for v in self.totals.values())},
         )
+
+
+def _number(value: Any) -> float:
+    """An hparam every run of a sweep logs (a model without ``width`` logs NaN, so the HParams view keeps it)."""
+    return float(value) if isinstance(value, (int, float)) else float("nan")

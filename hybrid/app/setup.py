@@ -9,32 +9,26 @@ the same data position, and a checkpoint of one resumes in the other.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset, default_collate
 
 from hybrid.app import error_feedback
 from hybrid.app.checkpoint import checkpoint_steps, load_checkpoint
-from hybrid.app.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
-from hybrid.app.data import (
-    KIND_OF_MODEL,
-    ArrayDataset,
-    BatchStream,
-    DatasetSpec,
-    check_arrays,
-    ensure_synthetic,
-    load_arrays,
-    text_arrays,
-)
+from hybrid.app.components import Component, ComponentError
+from hybrid.app.config import DataConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
+from hybrid.app.data import BatchStream
+from hybrid.app.losses import LossFn, move_to
 from hybrid.app.metrics import Metrics
-from hybrid.app.models import build_model
 from hybrid.app.optim import build_optimizer, build_scheduler
 from hybrid.runtime.distributed import broadcast_from_rank0
 
-__all__ = ["Training", "build_training", "device_for", "load_dataset", "restore_training", "sample_batch", "set_up"]
+__all__ = ["Training", "build_loss", "build_model", "build_training", "device_for", "load_dataset", "restore_training",
+           "sample_batch", "set_up"]
 
 
 def device_for(trainer: TrainerConfig, local_rank: int) -> torch.device:
@@ -45,51 +39,77 @@ def device_for(trainer: TrainerConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def load_dataset(d: DataConfig, model_name: str) -> ArrayDataset:
-    """The dataset ``d`` describes (generating synthetic data on first use), checked against the model."""
-    if d.name == "synthetic":
-        spec = DatasetSpec(KIND_OF_MODEL[model_name], d.num_samples, d.features, d.classes,
-                           d.image_size, d.vocab_size, d.seq_len, d.seed)
-        inputs, targets = ensure_synthetic(Path(d.root), spec)
-        x, y = load_arrays(inputs, targets)
-        where = f"synthetic data {inputs.parent}"
-    elif d.name == "text":
-        x, y = text_arrays(list(d.text_files), d.seq_len)
-        where = f"data.text_files={list(d.text_files)!r}"
-    else:
-        x, y = load_arrays(d.inputs, d.targets or None)
-        where = f"data.inputs={d.inputs!r}"
-    check_arrays(x, y, model_name, d.classes, d.vocab_size, where)
-    return ArrayDataset(x, y)
+def load_dataset(d: DataConfig) -> Dataset:
+    """The dataset ``data._target_`` builds (a built-in one generates its data on first use): map-style, of
+    ``(input, target)`` pairs, at least one of them. Raises one line otherwise."""
+    built = d.dataset.build()
+    if callable(built) and not hasattr(built, "__getitem__"):
+        built = _call(d.dataset, built)  # a factory (a _partial_ target, a class): it builds the dataset
+    for need in ("__getitem__", "__len__"):
+        if not hasattr(built, need):
+            raise ComponentError(f"data._target_={d.dataset.target} gave a {type(built).__name__}, not a map-style "
+                                 f"torch.utils.data.Dataset (it has no {need})")
+    if len(built) == 0:
+        raise ComponentError(f"data._target_={d.dataset.target} gave an empty dataset (0 samples)")
+    sample = built[0]
+    if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+        raise ComponentError(f"data._target_={d.dataset.target}: a sample is a {type(sample).__name__}, not an "
+                             "(input, target) pair")
+    return built
 
 
-def sample_batch(dataset: ArrayDataset, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dataset's first ``batch_size`` rows: a batch of the right shapes that consumes no stream."""
+def _call(component: Component, factory: Any) -> Any:
+    try:
+        return factory()
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ComponentError(f"{component.key}._target_={component.target} gave a callable that failed when called "
+                             f"with no arguments: {type(exc).__name__}: {first}") from exc
+
+
+def sample_batch(dataset: Dataset, batch_size: int, device: torch.device) -> tuple[Any, Any]:
+    """The dataset's first ``batch_size`` samples, collated as the loader collates them: a batch of the right
+    shapes that consumes no stream."""
     rows = [dataset[i] for i in range(min(batch_size, len(dataset)))]
-    return torch.stack([x for x, _ in rows]).to(device), torch.stack([y for _, y in rows]).to(device)
+    x, y = default_collate(rows)
+    return move_to(x, device), move_to(y, device)
 
 
-def build_training(m: ModelConfig, d: DataConfig, optim: OptimConfig, trainer: TrainerConfig, dataset: ArrayDataset,
+def build_model(model: Component, device: torch.device) -> nn.Module:
+    """``model._target_``'s module on ``device``; refuses anything but an ``nn.Module``."""
+    built = model.build()
+    if not isinstance(built, nn.Module):
+        raise ComponentError(f"model._target_={model.target} gave a {type(built).__name__}, not a torch.nn.Module")
+    return built.to(device)
+
+
+def build_loss(loss: Component) -> LossFn:
+    built = loss.build()
+    if not callable(built):
+        raise ComponentError(f"loss._target_={loss.target} gave a {type(built).__name__}, not a callable "
+                             "(output, target) -> loss: a function needs _partial_: true")
+    return built
+
+
+def build_training(model_cfg: Component, optim: OptimConfig, trainer: TrainerConfig,
                    device: torch.device) -> tuple[nn.Module, Any, Any]:
     """Model, optimizer and LR schedule; the same initial weights in every process (``trainer.seed``)."""
     torch.manual_seed(trainer.seed)  # same initial weights on every rank
-    model = build_model(m.name, width=m.width, depth=m.depth, channels=m.channels, heads=m.heads,
-                        input_shape=tuple(dataset[0][0].shape), classes=d.classes, vocab_size=d.vocab_size,
-                        seq_len=d.seq_len).to(device)
+    model = build_model(model_cfg, device)
     optimizer = build_optimizer(model.parameters(), optim)
     scheduler = build_scheduler(optimizer, optim, trainer.max_steps)
     return model, optimizer, scheduler
 
 
-def _check_resumable(state: dict[str, Any], model: ModelConfig, world: int, where: Path) -> None:
+def _check_resumable(state: dict[str, Any], model: Component, world: int, where: Path) -> None:
     saved_model, saved_world = state.get("model_config"), state.get("world_size")
-    if saved_model != asdict(model):
-        raise ValueError(f"trainer.resume={str(where)!r} holds model {saved_model}, this run has {asdict(model)}")
+    if saved_model != model.node:
+        raise ValueError(f"trainer.resume={str(where)!r} holds model {saved_model}, this run has {model.node}")
     if saved_world != world:
         raise ValueError(f"trainer.resume={str(where)!r} was written by world size {saved_world}, this run has {world}")
 
 
-def restore_training(trainer: TrainerConfig, model_config: ModelConfig, run_path: Path, rank: int, world_size: int,
+def restore_training(trainer: TrainerConfig, model_config: Component, run_path: Path, rank: int, world_size: int,
                      metrics: Metrics, model: nn.Module, optimizer: Any, scheduler: Any,
                      streams: Sequence[BatchStream], residual_signature: dict[str, Any] | None = None,
                      ) -> tuple[int, dict[str, Any] | None]:
@@ -130,8 +150,9 @@ class Training:
     """What :func:`set_up` built: the leader model (on the first device) and its optimizer and schedule, one
     batch stream per replica, the step to start at, and this process's restored error-feedback residuals."""
 
-    dataset: ArrayDataset
+    dataset: Dataset
     model: nn.Module
+    loss_fn: LossFn
     optimizer: Any
     scheduler: Any
     streams: list[BatchStream]
@@ -145,12 +166,13 @@ def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_
     """Build a run's training state for the replicas of global ranks ``stream_ranks`` (one in process mode,
     a node's in thread mode), restoring a checkpoint where the run resumes. Collective over the default
     group (``process_rank`` is this process's rank there)."""
-    dataset = load_dataset(cfg.data, cfg.model.name)
-    model, optimizer, scheduler = build_training(cfg.model, cfg.data, cfg.optim, cfg.trainer, dataset, device)
+    dataset = load_dataset(cfg.data)
+    model, optimizer, scheduler = build_training(cfg.model, cfg.optim, cfg.trainer, device)
+    loss_fn = build_loss(cfg.loss)
     streams = [BatchStream(dataset, cfg.data.batch_size, rank, world_size, cfg.trainer.seed,
                            pin_memory=device.type == "cuda", num_workers=cfg.data.num_workers)
                for rank in stream_ranks]
     signature = error_feedback.signature(cfg.comm, cfg.cluster.intra_mode, node_sizes)
     start_step, residuals = restore_training(cfg.trainer, cfg.model, run_path, process_rank, world_size, metrics,
                                              model, optimizer, scheduler, streams, signature)
-    return Training(dataset, model, optimizer, scheduler, streams, start_step, signature, residuals)
+    return Training(dataset, model, loss_fn, optimizer, scheduler, streams, start_step, signature, residuals)

@@ -17,10 +17,10 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from hybrid.app.checks import check_run_dir, check_torchrun_layout, precheck, prepare, under_torchrun
-from hybrid.app.config import CONF_PACKAGE, TrainConfig, validate
+from hybrid.app.checks import check_run_dir, check_torchrun_layout, precheck, prepare, settings_of, under_torchrun
+from hybrid.app.config import CONF_PACKAGE, TrainConfig
 from hybrid.app.trainer import run_worker
 from hybrid.runtime.launch import launch_local
 from hybrid.runtime.slurm import SlurmNode, in_submitit_task
@@ -45,7 +45,7 @@ def launch_job(settings: TrainConfig, entrypoint: Any, args: tuple) -> list[Any]
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run the job described by ``cfg``; returns rank 0's metrics."""
-    settings: TrainConfig = validate(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
+    settings = settings_of(cfg)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     if under_torchrun():

@@ -27,9 +27,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hybrid.app import error_feedback
 from hybrid.app.config import TrainConfig
 from hybrid.app.loop import train_and_report
+from hybrid.app.losses import batch_loss
 from hybrid.app.metrics import Metrics, NullMetrics, TensorBoardMetrics
 from hybrid.app.node_parallel import train_thread_mode
-from hybrid.app.replicas import RankReplica, loss_of
+from hybrid.app.replicas import RankReplica
 from hybrid.app.run_metrics import describe_auto_calibration
 from hybrid.app.setup import device_for, sample_batch, set_up
 from hybrid.core.comm import (
@@ -44,16 +45,20 @@ from hybrid.core.comm import (
 from hybrid.core.topology import Topology, discover_topology
 from hybrid.runtime.distributed import broadcast_from_rank0, init_distributed, shutdown_distributed
 
-__all__ = ["run_worker", "train_process_mode", "train_worker"]
+__all__ = ["buffer_sync", "run_worker", "train_process_mode", "train_worker"]
 
 
-# Our models' buffers are constants (e.g. the causal mask): syncing them every
-# forward would be a second, needless collective per step.
-_NO_BUFFER_SYNC = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-    else {"broadcast_buffers": False}
-)
+_BUFFER_SYNC_KEY = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                    else "broadcast_buffers")
+
+
+def buffer_sync(model: torch.nn.Module) -> dict[str, bool]:
+    """DDP's buffer broadcast (rank 0's buffers to every rank before each forward, as plain DDP does by default)
+    where the model has state in buffers (BatchNorm's running statistics), so replicas stay identical; off where
+    its buffers are constants outside the state dict (a causal mask), which would cost a needless collective
+    per step."""
+    state = set(model.state_dict())
+    return {_BUFFER_SYNC_KEY: any(name in state for name, _ in model.named_buffers())}
 
 
 def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
@@ -102,7 +107,7 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
     run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank)
     ddp = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
-              find_unused_parameters=cfg.comm.find_unused_parameters, **_NO_BUFFER_SYNC)
+              find_unused_parameters=cfg.comm.find_unused_parameters, **buffer_sync(run.model))
     counters = PhaseCounters()
     hook = groups = comm = None
     finished = False
@@ -119,8 +124,8 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
         # The first real step already sees DDP's rebuilt buckets, as every later one does: a resumed run
         # then sums each element in the order the uninterrupted run did, and residuals keyed by bucket apply.
         x, y = sample_batch(run.dataset, cfg.data.batch_size, device)
-        settle_buckets(ddp, hook, lambda: loss_of(ddp, x, y).backward())
-        replicas = RankReplica(ddp, run.streams[0], device, cfg.trainer.precision)
+        settle_buckets(ddp, hook, lambda: batch_loss(ddp, x, y, run.loss_fn).backward())
+        replicas = RankReplica(ddp, run.streams[0], device, run.loss_fn, cfg.trainer.precision)
         result = train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, feedback,
                                   comm)
         finished = True

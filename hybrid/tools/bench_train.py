@@ -216,10 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for layout in layouts:
             compose_settings(opts.overrides, layout, comms[0], opts.steps, opts.testbed_mbit)
-        if args.testbed_mbit:
-            from hybrid.app.checks import check_testbed
+        from hybrid.app.checks import prepare
 
-            check_testbed(compose_settings(opts.overrides, layouts[0], comms[0], opts.steps, opts.testbed_mbit))
+        # The testbed, the devices, and every component built once (the data generated once, up front).
+        prepare(compose_settings(opts.overrides, layouts[0], comms[0], opts.steps, opts.testbed_mbit))
     except Exception as exc:  # Hydra / OmegaConf / validation: one line
         from hybrid.app.checks import one_line_error
         from hybrid.app.config import packaged_conf_dir

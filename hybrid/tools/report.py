@@ -25,6 +25,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from hybrid.app.components import label_of
 from hybrid.core.costmodel import Level, Model, calibrate, fit_level, predict
 from hybrid.core.topology import Layout
 
@@ -68,6 +69,13 @@ class Job:
         return [cap] * int(full) + ([rest] if rest else [])
 
 
+def model_label(node: Any) -> str:
+    """``mlp w1024 d6``: the model's name and, where it has them, its width and depth knobs."""
+    name = node.get("name") or label_of(str(node.get("_target_", "?")))  # runs before _target_ models had name
+    knobs = [f"{k[0]}{node[k]}" for k in ("width", "depth") if node.get(k) is not None]
+    return " ".join([name, *knobs])
+
+
 def load_jobs(sweep_dir: Path) -> list[Job]:
     jobs = []
     for cfg_file in sorted(sweep_dir.glob("**/.hydra/config.yaml")):
@@ -78,7 +86,7 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
         jobs.append(Job(
             path=job_dir, comm=str(cfg.comm.algorithm),
             layout=Layout.uniform(int(cfg.cluster.nnodes), int(cfg.cluster.nproc_per_node)),
-            model=f"{cfg.model.name} w{cfg.model.width} d{cfg.model.depth}", bucket_mb=float(cfg.comm.bucket_mb),
+            model=model_label(cfg.model), bucket_mb=float(cfg.comm.bucket_mb),
             metrics=metrics,
         ))
     return sorted(jobs, key=lambda j: (j.model, j.layout.world_size, j.layout.nnodes, j.comm))

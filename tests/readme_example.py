@@ -1,0 +1,38 @@
+"""The README's worked example ("Your own model and data"), read from the README itself: its files and its
+command, so the tests run exactly what a reader copies."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+SECTION = "## Your own model and data"
+
+
+def example() -> tuple[dict[str, str], str]:
+    """The section's files (fenced blocks whose first line is ``# <relative path>``) and its one command."""
+    text = README.read_text()
+    start = text.index(SECTION)
+    following = re.search(r"\n#{2,3} ", text[start + len(SECTION):])  # the next heading (code has single #)
+    section = text[start:start + len(SECTION) + following.start() if following else None]
+    files, commands = {}, []
+    for lang, body in re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S):
+        first, _, rest = body.partition("\n")
+        if lang == "bash":
+            commands.append(body.strip())
+        elif first.startswith("# ") and "/" in first:
+            files[first[2:].strip()] = body
+    if len(commands) != 1 or not files:
+        raise AssertionError(f"README section {SECTION!r}: expected files and one command, got {len(commands)}")
+    return files, commands[0]
+
+
+def write_example(directory: Path) -> str:
+    """Write the example's files under ``directory``; return its command."""
+    files, command = example()
+    for name, body in files.items():
+        path = directory / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(body)
+    return command
