@@ -67,3 +67,27 @@ def test_hung_job_is_stopped_at_the_deadline_and_leaves_no_process():
 def test_bad_timeout_is_rejected():
     with pytest.raises(ValueError, match="timeout_s=0"):
         launch_local(Layout.parse("1x1"), launch_targets.report_env, timeout_s=0)
+
+
+class _ExitsWhileLooked:
+    """An agent process that is still running at the launcher's first look and has exited at the next, the
+    interleaving that ended a 15-run benchmark with StopIteration after its last step (the launcher asked
+    for "an agent still running" after every agent had exited)."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    def poll(self) -> int | None:
+        self.looks += 1
+        return None if self.looks == 1 else 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+def test_agents_that_exit_between_two_looks_end_the_wait():
+    from hybrid.runtime.launch import _wait
+
+    agents = [_ExitsWhileLooked(), _ExitsWhileLooked()]
+    _wait(agents, Layout.uniform(2, 1), timeout_s=5)  # returns, no StopIteration
+    assert all(a.looks >= 2 for a in agents)

@@ -199,8 +199,11 @@ def _wait(agents: list[subprocess.Popen], layout: Layout, timeout_s: float, grac
             return  # the failed nodes' result files say why
         if time.monotonic() > deadline:
             raise LaunchError(f"layout {layout} did not finish within timeout_s={timeout_s:g}; stopped all workers")
+        running = next((a for a in agents if a.poll() is None), None)
+        if running is None:
+            continue  # the last ones exited since the poll above: the next round returns
         try:
-            next(a for a in agents if a.poll() is None).wait(timeout=0.2)
+            running.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             pass
 
