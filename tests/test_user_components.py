@@ -198,3 +198,26 @@ def test_a_hugging_face_model_with_its_own_loss_and_dict_inputs(tmp_path):
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["model"] == "gpt2lmheadmodel" and metrics["param_checksums_identical"]
     assert metrics["final_loss"] < 0.5 * math.log(32), metrics["final_loss"]
+
+
+def test_the_train_benchmark_compares_comms_on_a_users_own_model(example):
+    """``python -m hybrid.bench train --config-dir``: the flat-vs-hierarchical comparison on one's own parts."""
+    out = subprocess.run([sys.executable, "-m", "hybrid.bench", "train", "--layouts", "1x2", "--comms",
+                          "ddp,hierarchical", "--steps", "3", "--rounds", "1", "--config-dir", "myconf",
+                          "--output", "bench.json", "model=mynet", "data=spirals", "loss=smoothed"],
+                         cwd=example, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads((example / "bench.json").read_text())
+    assert {(r["layout"], r["comm"]) for r in report["summary"]} == {("1x2", "ddp"), ("1x2", "hierarchical")}
+    mynet = sum(p.numel() * 4 for n, p in _readme_model().named_parameters() if n != "project.weight"
+                and n != "project.bias")
+    assert report["param_bytes"] == mynet  # trainable parameters of the README's model (tied head counted once)
+    bad = subprocess.run([sys.executable, "-m", "hybrid.bench", "train", "--config-dir", "nosuch", "model=mynet"],
+                         cwd=example, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--config-dir 'nosuch' does not exist or is not a directory" in bad.stderr
+
+
+def _readme_model():
+    from mypkg import MyNet  # the example's package (the fixture put it on sys.path)
+
+    return MyNet(features=8, hidden=32, classes=3)

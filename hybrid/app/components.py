@@ -64,10 +64,11 @@ class Component:
     def get(self, name: str, default: Any = None) -> Any:
         return self.args.get(name, default)
 
-    def build(self, *args: Any, **overrides: Any) -> Any:
-        """``instantiate`` the node (``args`` go first, as a ``_partial_`` target's call gets them)."""
+    def build(self, *args: Any) -> Any:
+        """``instantiate`` the node; with ``args``, call what it built with them (a ``_partial_`` optimizer class
+        with the parameters)."""
         try:
-            built = instantiate(self.node, **overrides)
+            built = instantiate(self.node)
         except InstantiationException as exc:
             raise ComponentError(self._why(exc)) from exc
         except Exception as exc:  # raised by the target itself, outside instantiate's wrapping

@@ -20,7 +20,9 @@ configuration:
   per comm, when ``1x1`` is among the layouts.
 
 Trailing arguments are Hydra overrides of the training config (``conf/``),
-e.g. ``model.width=1024 model.depth=6 data.batch_size=8``. ``--testbed-mbit``
+e.g. ``model.width=1024 model.depth=6 data.batch_size=8``; ``--config-dir``
+adds a directory of your own configs, so the comparison runs on your model and
+data (``--config-dir myconf model=mynet data=mydata``). ``--testbed-mbit``
 runs every node in its own network namespace behind a shaped NIC.
 """
 
@@ -54,9 +56,11 @@ class TrainBenchOptions:
     baseline: str = "ddp"
     testbed_mbit: float = 0.0
     overrides: list[str] = field(default_factory=list)
+    config_dirs: list[str] = field(default_factory=list)  # --config-dir: a user's configs beside the shipped ones
 
 
-def compose_settings(overrides: list[str], layout: str, comm: str, steps: int, testbed_mbit: float) -> Any:
+def compose_settings(overrides: list[str], layout: str, comm: str, steps: int, testbed_mbit: float,
+                     config_dirs: list[str] | tuple[str, ...] = ()) -> Any:
     """The TrainConfig ``python -m hybrid.train`` would build for these overrides, checked."""
     from hybrid.app.checks import compose_train_config
 
@@ -70,7 +74,7 @@ def compose_settings(overrides: list[str], layout: str, comm: str, steps: int, t
             "trainer.resume=false", "trainer.stop_after=0"]
     if testbed_mbit:
         ours += ["cluster.testbed.enabled=true", f"cluster.testbed.link_mbit={testbed_mbit}"]
-    return compose_train_config(list(overrides) + ours)
+    return compose_train_config(list(overrides) + ours, user_dirs=[Path(d) for d in config_dirs])
 
 
 def _one_run(settings: Any) -> dict[str, Any]:
@@ -96,7 +100,8 @@ def run_train_bench(opts: TrainBenchOptions, log: Any = print) -> dict[str, Any]
     """Run every configuration ``opts.rounds`` times, alternating; return every run and the summary."""
     from hybrid.app.checks import prepare
 
-    settings = {(layout, comm): compose_settings(opts.overrides, layout, comm, opts.steps, opts.testbed_mbit)
+    settings = {(layout, comm): compose_settings(opts.overrides, layout, comm, opts.steps, opts.testbed_mbit,
+                                                   opts.config_dirs)
                 for layout in opts.layouts for comm in opts.comms}
     prepare(next(iter(settings.values())))  # synthetic data generated once, before any clock runs
     runs: dict[str, list[dict[str, Any]]] = {f"{layout} {comm}": [] for layout, comm in settings}
@@ -183,6 +188,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", default="ddp", help="the comm the ratios are taken against (default ddp)")
     p.add_argument("--testbed-mbit", type=float, default=0.0,
                    help="each node in its own network namespace behind a NIC shaped to this many Mbit/s (root)")
+    p.add_argument("--config-dir", action="append", default=[], dest="config_dirs",
+                   help="a directory of your own configs (model/, data/, ...) beside the shipped ones, as hybrid.train's")
     p.add_argument("--output", default=None, help="JSON file (default: outputs/bench/train-<layouts>-<date>-<time>.json)")
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the training config")
@@ -211,20 +218,25 @@ def main(argv: list[str] | None = None) -> int:
     if bad_over:
         p.error(f"override {bad_over[0]!r}: give KEY=VALUE; comm, layout and steps come from --comms, "
                 "--layouts and --steps")
+    missing = [d for d in args.config_dirs if not Path(d).is_dir()]
+    if missing:
+        p.error(f"--config-dir {missing[0]!r} does not exist or is not a directory")
     opts = TrainBenchOptions(layouts, comms, args.steps, args.rounds, args.baseline, args.testbed_mbit,
-                             list(args.overrides))
+                             list(args.overrides), list(args.config_dirs))
     try:
         for layout in layouts:
-            compose_settings(opts.overrides, layout, comms[0], opts.steps, opts.testbed_mbit)
+            compose_settings(opts.overrides, layout, comms[0], opts.steps, opts.testbed_mbit, opts.config_dirs)
         from hybrid.app.checks import prepare
 
         # The testbed, the devices, and every component built once (the data generated once, up front).
-        prepare(compose_settings(opts.overrides, layouts[0], comms[0], opts.steps, opts.testbed_mbit))
+        prepare(compose_settings(opts.overrides, layouts[0], comms[0], opts.steps, opts.testbed_mbit,
+                                 opts.config_dirs))
     except Exception as exc:  # Hydra / OmegaConf / validation: one line
         from hybrid.app.checks import one_line_error
         from hybrid.app.config import packaged_conf_dir
 
-        p.error(one_line_error(exc, packaged_conf_dir()) if not isinstance(exc, ValueError) else str(exc).splitlines()[0])
+        p.error(one_line_error(exc, packaged_conf_dir(), [Path(d) for d in opts.config_dirs])
+                if not isinstance(exc, ValueError) else str(exc).splitlines()[0])
     stamp = time.strftime("%Y%m%d-%H%M%S")
     output = Path(args.output) if args.output else Path("outputs") / "bench" / f"train-{'_'.join(layouts)}-{stamp}.json"
     if output.exists() and not args.overwrite:
