@@ -97,10 +97,20 @@ BAD = [
 
 
 @pytest.mark.parametrize("overrides, line", BAD, ids=[str(i) for i in range(len(BAD))])
-def test_a_bad_component_is_one_line_naming_it(example, overrides, line):
-    error = precheck([*MINE, *overrides])
-    assert error is not None and "\n" not in error
-    assert error.startswith(line), error
+def test_a_bad_component_is_one_line_naming_it_exit_2_and_nothing_written(example, overrides, line, monkeypatch,
+                                                                           capsys):
+    """``python -m hybrid.train``'s own entry point, in this process: the error line, exit code 2, and no file
+    added to the directory (no run dir, no generated data)."""
+    from hybrid.app.train import main
+
+    before = sorted(p.relative_to(example) for p in example.rglob("*") if "__pycache__" not in p.parts)
+    monkeypatch.setattr(sys, "argv", ["hybrid.train", *MINE, *overrides, "hydra.run.dir=runs/bad"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and error.startswith(f"error: {line}"), error
+    assert sorted(p.relative_to(example) for p in example.rglob("*") if "__pycache__" not in p.parts) == before
 
 
 def test_a_config_dir_that_does_not_exist_is_one_line(example):
