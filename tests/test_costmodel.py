@@ -75,3 +75,73 @@ def test_cli_prints_a_1024_node_prediction():
     bad = subprocess.run([sys.executable, "-m", "hybrid.costmodel", "--layout", "0x8"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "nnodes (0)" in bad.stderr
+
+
+def test_nics_per_connection_caps_and_channels_by_hand():
+    """4 nodes x 4 GPUs, 100 MB, 4 NICs of 100 Gbit/s (beta 8e-11 s/B), 5 us per step, one connection at most
+    25 Gbit/s (3.2e-10 s/B), flat striped over 4 channels. Worked by hand:
+    flat: 4 connections on 4 NICs -> max(8e-11/4, 3.2e-10/4) = 8e-11 s/B (capped by the connections);
+          ring of 16: 2*15*(5e-6 + 1e8/16*8e-11) = 30 * 5.05e-4 = 0.01515 s
+    hierarchical: the leader's one connection -> max(8e-11, 3.2e-10) = 3.2e-10 s/B;
+          ring of 4: 2*3*(5e-6 + 2.5e7*3.2e-10) = 6 * 8.005e-3 = 0.04803 s
+    sharded: 4 groups on 4 NICs -> 8e-11 s/B; ring of 4 on S: 6*(5e-6 + 2.5e7*8e-11) = 6 * 2.005e-3 = 0.01203 s"""
+    model = Model(Level(0, 0), Level(5e-6, 8e-11), nics_per_node=4, conn_gbps=25, flat_channels=4)
+    layout, size = Layout.parse("4x4"), 1e8
+    assert predict(model, "flat", layout, size)["total"] == pytest.approx(0.01515)
+    assert predict(model, "hierarchical", layout, size)["inter_allreduce"] == pytest.approx(0.04803)
+    assert predict(model, "sharded", layout, size)["inter_allreduce"] == pytest.approx(0.01203)
+    # Without the cap every connection fills its NIC: flat 4x faster than one NIC, the leader back at 8e-11.
+    uncapped = Model(Level(0, 0), Level(5e-6, 8e-11), nics_per_node=4, flat_channels=4)
+    assert predict(uncapped, "flat", layout, size)["total"] == pytest.approx(30 * (5e-6 + 6.25e6 * 2e-11))
+    assert predict(uncapped, "hierarchical", layout, size)["inter_allreduce"] == pytest.approx(6 * (5e-6 + 2.5e7 * 8e-11))
+
+
+def test_one_tcp_stream_per_nic_makes_parallel_groups_win_on_a_single_slow_nic():
+    """Horovod PR #3608's shape (one 10 Gbit/s NIC, 6 GPUs per node): if one connection carries 2.5 Gbit/s,
+    sharded's 6 concurrent groups fill the NIC and the leaders' single ring gets a quarter of it."""
+    capped = Model(Level(0, 0), Level.from_bandwidth(0, 10), conn_gbps=2.5)
+    layout = Layout.parse("32x6")
+    hier = predict(capped, "hierarchical", layout, S)["inter_allreduce"]
+    sharded = predict(capped, "sharded", layout, S)["inter_allreduce"]
+    assert hier / sharded == pytest.approx(4.0)
+    plain = Model(Level(0, 0), Level.from_bandwidth(0, 10))  # no cap: one NIC is one NIC, whoever fills it
+    assert predict(plain, "hierarchical", layout, S)["inter_allreduce"] == pytest.approx(
+        predict(plain, "sharded", layout, S)["inter_allreduce"])
+
+
+def test_two_nodes_as_a_tree_send_s_not_two_n_minus_one_over_n_s():
+    tree = Model(Level(0, 0), Level.from_bandwidth(0, 100), two_node_tree=True)
+    ring = Model(Level(0, 0), Level.from_bandwidth(0, 100))
+    layout = Layout.parse("2x8")
+    assert predict(tree, "flat", layout, S)["total"] == pytest.approx(S * 8 / 100e9)
+    assert predict(ring, "flat", layout, S)["total"] == pytest.approx(2 * 15 / 16 * S * 8 / 100e9)
+    assert predict(tree, "flat", Layout.parse("4x8"), S)["total"] == predict(ring, "flat", Layout.parse("4x8"), S)["total"]
+
+
+@pytest.mark.parametrize("key, value", [("nics_per_node", 0), ("flat_channels", 0), ("leader_nics", -1),
+                                        ("conn_gbps", 0.0)])
+def test_bad_model_parameters_are_refused_by_name(key, value):
+    with pytest.raises(ValueError, match=f"^{key}={value}"):
+        Model(Level(0, 1e-9), Level(0, 1e-9), **{key: value})
+
+
+def test_cli_json_has_seconds_algbw_and_busbw_per_size_and_algorithm():
+    out = subprocess.run([sys.executable, "-m", "hybrid.costmodel", "--layout", "5x8", "--sizes", "1G,25M",
+                          "--intra-gbps", "3600", "--inter-gbps", "400", "--nics-per-node", "4", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    report = json.loads(out.stdout)
+    rows = {(r["bytes"], r["algorithm"]): r for r in report["predictions"]}
+    assert set(rows) == {(size, a) for size in (2**30, 25 * 2**20) for a in ("flat", "hierarchical", "sharded")}
+    for (size, _), row in rows.items():
+        assert row["algbw_GBps"] == pytest.approx(size / row["seconds"] / 1e9)
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * 39 / 40)
+    # NCCL-style flat stripes over the 4 NICs by default: faster than the leaders' single NIC at 1 GiB.
+    assert rows[(2**30, "flat")]["seconds"] < rows[(2**30, "hierarchical")]["seconds"]
+    assert report["model"]["flat_channels"] == 4
+    bad = subprocess.run([sys.executable, "-m", "hybrid.costmodel", "--conn-gbps", "0", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith("conn_gbps=0.0 must be > 0 (or None: "
+                                                                                  "no per-connection cap)")

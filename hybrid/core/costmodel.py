@@ -8,14 +8,24 @@ n nodes of g workers (N = n g ranks):
 - ``flat``: a ring over all N ranks laid out node by node. Each of its
   2(N-1) steps moves S/N bytes over every hop at once; n of the hops cross a
   NIC, so each NIC carries 2(N-1)/N x S bytes and every step waits for the
-  slowest (inter-node) hop: 2(N-1) (alpha_e + S/N beta_e).
+  slowest (inter-node) hop: 2(N-1) (alpha_e + S/N beta_e'), where beta_e'
+  is the NIC level seen by the ring's ``flat_channels`` connections: NCCL
+  stripes its channels over every NIC of the node (gloo's ring: one). On two
+  nodes NCCL runs a tree instead (``two_node_tree``): S crosses each NIC once
+  each way, 2 alpha_e + S beta_e'.
 - ``hierarchical``: reduce to the leader and broadcast back, each
   (g-1) alpha_i + (g-1)/g S beta_i; between them a ring of the n leaders,
-  2(n-1) alpha_e + 2(n-1)/n S beta_e.
+  2(n-1) alpha_e + 2(n-1)/n S beta_e', the leader's one connection through
+  one NIC (``leader_nics`` to spread it).
 - ``sharded``: reduce-scatter and all-gather inside the node (same cost as
   reduce and broadcast above) around g concurrent all-reduces of S/g bytes
-  across nodes. They share the node's NICs, so with k NICs per node the NIC
-  bytes are 2(n-1)/n S / min(g, k) each: 2(n-1) alpha_e + 2(n-1)/n S beta_e / min(g, k).
+  across nodes, g connections over min(g, k) of the node's k NICs:
+  2(n-1) alpha_e + 2(n-1)/n S beta_e'.
+
+beta_e' for c concurrent connections over up to k NICs (:meth:`Model.spread`)
+is max(beta_e / min(c, k), beta_c / c): the NICs in use, unless each
+connection is capped below its share (``conn_gbps``; one TCP stream does not
+fill a fast NIC, which is why g parallel groups can beat one ring).
 
 On one level (n = 1 or g = 1) the formulas fall back to a single ring on the
 level that is present.
@@ -91,11 +101,37 @@ class Model:
     """
 
     intra: Level
-    inter: Level
+    inter: Level  # one NIC
     nics_per_node: int = 1
     flat: Level | None = None
     sharded_intra: Level | None = None
     sharded_inter: Level | None = None
+    # What one connection (a TCP stream, an IB queue pair) can carry at most, Gbit/s; None: a connection fills
+    # its NIC. One TCP stream does not fill a fast NIC, so g parallel groups (sharded) can beat one ring.
+    conn_gbps: float | None = None
+    # Connections flat's ring runs side by side across each node boundary (NCCL's channels, striped over the
+    # node's NICs); gloo's ring: 1.
+    flat_channels: int = 1
+    # NICs hierarchical's leader spreads its all-reduce over (1: one connection through one NIC).
+    leader_nics: int = 1
+    # Flat on two nodes as NCCL's tree: each NIC carries S across the network, not 2(N-1)/N x S.
+    two_node_tree: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("nics_per_node", "flat_channels", "leader_nics"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.conn_gbps is not None and not self.conn_gbps > 0:
+            raise ValueError(f"conn_gbps={self.conn_gbps} must be > 0 (or None: no per-connection cap)")
+
+    def spread(self, connections: int, nics: int) -> Level:
+        """The inter-node level seen by ``connections`` concurrent connections spread over up to ``nics`` of the
+        node's NICs: NIC bandwidth times the NICs in use, but no more than the connections' own caps allow."""
+        used = max(1, min(connections, nics, self.nics_per_node))
+        beta = self.inter.beta_s_per_byte / used
+        if self.conn_gbps is not None:
+            beta = max(beta, 8.0 / (self.conn_gbps * 1e9) / connections)
+        return Level(self.inter.alpha_s, beta)
 
 
 def _ring_allreduce(level: Level, nbytes: float, p: int) -> float:
@@ -105,6 +141,19 @@ def _ring_allreduce(level: Level, nbytes: float, p: int) -> float:
 def _rooted(level: Level, nbytes: float, p: int) -> float:
     """Reduce (or broadcast, reduce-scatter, all-gather) of nbytes over p ranks."""
     return (p - 1) * level.alpha_s + (p - 1) / p * nbytes * level.beta_s_per_byte if p > 1 else 0.0
+
+
+def _flat(model: Model, n: int, g: int, nbytes: float) -> float:
+    """A ring over all n g ranks (node by node), its channels striped over the NICs; NCCL's tree on 2 nodes."""
+    if model.flat is not None:
+        return _ring_allreduce(model.flat, nbytes, n * g)
+    if n == 1:
+        return _ring_allreduce(model.intra, nbytes, g)
+    level = model.spread(model.flat_channels, model.flat_channels)
+    if n == 2 and model.two_node_tree:
+        # Reduce up and broadcast down the tree, pipelined, full duplex: S crosses each NIC once each way.
+        return 2 * level.alpha_s + nbytes * level.beta_s_per_byte
+    return _ring_allreduce(level, nbytes, n * g)
 
 
 def predict(model: Model, algorithm: str, layout: Layout, nbytes: float,
@@ -121,8 +170,7 @@ def predict(model: Model, algorithm: str, layout: Layout, nbytes: float,
         raise ValueError(f"chunk_bytes={chunk_bytes} must be > 0")
     n, g = layout.nnodes, layout.node_sizes[0]
     if algorithm == "flat":
-        level = model.flat or (model.inter if n > 1 else model.intra)
-        phases = {"flat_allreduce": _ring_allreduce(level, nbytes, n * g)}
+        phases = {"flat_allreduce": _flat(model, n, g, nbytes)}
         phases["total"] = phases["flat_allreduce"]
         return phases
     if algorithm not in ("hierarchical", "sharded"):
@@ -130,14 +178,14 @@ def predict(model: Model, algorithm: str, layout: Layout, nbytes: float,
     pieces = max(1, math.ceil(nbytes / chunk_bytes)) if chunk_bytes else 1
     piece = nbytes / pieces
     if algorithm == "hierarchical":
-        intra, inter_s = model.intra, _ring_allreduce(model.inter, piece, n)
+        leaders = model.spread(model.leader_nics, model.leader_nics)
+        intra, inter_s = model.intra, _ring_allreduce(leaders, piece, n)
     else:
         intra = model.sharded_intra or model.intra
         if model.sharded_inter is not None:  # measured: one shard per cross group, all g at once
             inter_s = _ring_allreduce(model.sharded_inter, piece / g, n)
-        else:
-            shared = model.inter.per_byte_scaled(1 / min(g, model.nics_per_node))
-            inter_s = _ring_allreduce(shared, piece, n)
+        else:  # g concurrent all-reduces of S/g: g connections over min(g, NICs) NICs
+            inter_s = _ring_allreduce(model.spread(g, g), piece, n)
     per_piece = {
         "intra_reduce": _rooted(intra, piece, g),
         "inter_allreduce": inter_s,
