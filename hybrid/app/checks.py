@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybrid.app.checkpoint import CHECKPOINT_NAME, checkpoint_steps, latest_manifest
-from hybrid.app.components import ComponentError
+from hybrid.app.components import ComponentError, first_line
 from hybrid.app.config import (
     TrainConfig,
     TrainSchema,
@@ -128,10 +128,9 @@ def check_components(cfg: TrainConfig) -> None:
     try:
         loss = batch_loss(model, x, y, loss_fn)
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [""])[0]
         raise ComponentError(f"model={cfg.model.label} with loss={cfg.loss.label} cannot train on "
                              f"data={cfg.data.dataset.label} (a batch of {_shape(x)} inputs, {_shape(y)} targets): "
-                             f"{type(exc).__name__}: {first}") from exc
+                             f"{type(exc).__name__}: {first_line(exc)}") from exc
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
         raise ComponentError(f"loss._target_={cfg.loss.target} gave {_shape(loss)}: the loss must be a "
                              "floating-point scalar tensor")

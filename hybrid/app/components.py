@@ -25,7 +25,7 @@ from typing import Any
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
-__all__ = ["Component", "ComponentError", "component_of", "label_of"]
+__all__ = ["Component", "ComponentError", "component_of", "first_line", "label_of", "require_int"]
 
 # Keys of a node that instantiate reads itself (besides _target_); they stay with the target's arguments.
 HYDRA_KEYS = ("_partial_", "_recursive_", "_convert_", "_args_")
@@ -84,8 +84,8 @@ class Component:
         if isinstance(exc, ComponentError):
             return str(exc)
         if isinstance(exc, ValueError) and str(exc).startswith(f"{self.key}."):
-            return _first_line(exc)  # a built-in's own check names its key already
-        line = f"{self.key}._target_={self.target}: {type(exc).__name__}: {_first_line(exc)}"
+            return first_line(exc)  # a built-in's own check names its key already
+        line = f"{self.key}._target_={self.target}: {type(exc).__name__}: {first_line(exc)}"
         if isinstance(exc, TypeError) and self.args:  # often a value of the wrong type: show what was given
             given = ", ".join(f"{k}={v!r}" for k, v in self.args.items() if k not in HYDRA_KEYS)
             line += f" (given {given})" if given else ""
@@ -98,12 +98,19 @@ class Component:
                     "class or function, with its package on PYTHONPATH")
         if exc.__cause__ is not None:
             return self._failed(exc.__cause__)
-        return f"{self.key}._target_={self.target}: {_first_line(exc)}"
+        return f"{self.key}._target_={self.target}: {first_line(exc)}"
 
 
-def _first_line(exc: BaseException | None) -> str:
+def first_line(exc: BaseException | None) -> str:
+    """The first line of an error's message (its type's name where it has none): what a one-line error quotes."""
     text = str(exc).strip() if exc is not None else ""
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def require_int(key: str, value: Any, low: int) -> None:
+    """The built-in components' size check: ``key`` (``model.width``, ``data.seq_len``) an integer >= ``low``."""
+    if not isinstance(value, int) or value < low:
+        raise ValueError(f"{key}={value!r} must be an integer >= {low}")
 
 
 def locate_problem(target: str) -> str | None:
@@ -117,9 +124,9 @@ def locate_problem(target: str) -> str | None:
         except ModuleNotFoundError as exc:
             if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
                 continue  # this prefix is not a module: try a shorter one
-            return f"importing {module} raised ModuleNotFoundError: {_first_line(exc)}"
+            return f"importing {module} raised ModuleNotFoundError: {first_line(exc)}"
         except Exception as exc:
-            return f"importing {module} raised {type(exc).__name__}: {_first_line(exc)}"
+            return f"importing {module} raised {type(exc).__name__}: {first_line(exc)}"
         for depth, attr in enumerate(parts[i:], start=i):
             if not hasattr(obj, attr):
                 return f"{'.'.join(parts[:depth])} has no attribute {attr!r}"

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from hybrid.app.components import require_int
 from hybrid.app.data import ArrayDataset
 
 __all__ = ["DatasetSpec", "check_arrays", "ensure_synthetic", "files", "load_arrays", "synthetic", "text",
@@ -51,11 +52,6 @@ DEFAULT_TEXT = os.path.join(sysconfig.get_paths()["stdlib"], "pydoc_data", "topi
 GENERATOR_VERSION = 3
 
 
-def _at_least(key: str, value: Any, low: int) -> None:
-    if not isinstance(value, int) or value < low:
-        raise ValueError(f"data.{key}={value!r} must be an integer >= {low}")
-
-
 def _kind(kind: str, allowed: Sequence[str] = KINDS) -> None:
     if kind not in allowed:
         raise ValueError(f"data.kind={kind!r} is not one of {', '.join(allowed)}")
@@ -67,7 +63,7 @@ def synthetic(kind: str, num_samples: int = 8192, features: int = 64, classes: i
     _kind(kind)
     for key, value in (("num_samples", num_samples), ("features", features), ("classes", classes),
                        ("image_size", image_size), ("vocab_size", vocab_size), ("seq_len", seq_len)):
-        _at_least(key, value, 1)
+        require_int(f"data.{key}", value, 1)
     spec = DatasetSpec(kind, num_samples, features, classes, image_size, vocab_size, seq_len, seed)
     inputs, targets = ensure_synthetic(Path(root), spec)
     x, y = load_arrays(inputs, targets)
@@ -98,8 +94,8 @@ def files(inputs: str, targets: str = "", kind: str = "any", features: int = 64,
 
 def text(text_files: Sequence[str] = (), seq_len: int = 64, vocab_size: int = 256) -> ArrayDataset:
     """Next-byte prediction on real text (``data=text``)."""
-    _at_least("seq_len", seq_len, 1)
-    _at_least("vocab_size", vocab_size, 256)  # every byte value is a token
+    require_int("data.seq_len", seq_len, 1)
+    require_int("data.vocab_size", vocab_size, 256)  # every byte value is a token
     x, y = text_arrays(list(text_files), seq_len)
     return ArrayDataset(x, y)
 

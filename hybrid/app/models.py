@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybrid.app.components import require_int
+
 __all__ = ["CNN", "INPUT_KIND", "MLP", "HFCausalLM", "Transformer", "gpt2", "param_bytes"]
 
 # What each built-in model takes, by its _target_: a generated dataset (data=synthetic, kind auto) makes these.
@@ -25,8 +27,7 @@ INPUT_KIND = {
 def _check_sizes(**sizes: int) -> None:
     """One line naming the config key (``model.width``) of a size that is not a positive integer."""
     for key, value in sizes.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"model.{key}={value!r} must be an integer >= 1")
+        require_int(f"model.{key}", value, 1)
     if "heads" in sizes and sizes["width"] % sizes["heads"]:
         raise ValueError(f"model.width={sizes['width']} must be divisible by model.heads={sizes['heads']}")
 

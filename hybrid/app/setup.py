@@ -19,7 +19,7 @@ from torch.utils.data import Dataset, default_collate
 
 from hybrid.app import error_feedback
 from hybrid.app.checkpoint import checkpoint_steps, load_checkpoint
-from hybrid.app.components import Component, ComponentError
+from hybrid.app.components import Component, ComponentError, first_line
 from hybrid.app.config import DataConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
 from hybrid.app.data import BatchStream
 from hybrid.app.losses import LossFn, move_to
@@ -62,9 +62,8 @@ def _call(component: Component, factory: Any) -> Any:
     try:
         return factory()
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [""])[0]
         raise ComponentError(f"{component.key}._target_={component.target} gave a callable that failed when called "
-                             f"with no arguments: {type(exc).__name__}: {first}") from exc
+                             f"with no arguments: {type(exc).__name__}: {first_line(exc)}") from exc
 
 
 def sample_batch(dataset: Dataset, batch_size: int, device: torch.device) -> tuple[Any, Any]:
