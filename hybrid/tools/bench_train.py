@@ -40,7 +40,7 @@ from typing import Any
 from hybrid.app.metrics import write_json_atomic
 from hybrid.core.topology import Layout
 
-__all__ = ["TrainBenchOptions", "compose_settings", "main", "run_train_bench", "summarise"]
+__all__ = ["TrainBenchOptions", "bench_settings", "compose_settings", "main", "run_train_bench", "summarise"]
 
 # "hierarchical+bf16" etc.: that comm with comm.inter_compression set (its inter-node hop in 16 bits).
 BENCH_COMMS = ("ddp", "flat", "hierarchical", "sharded", "auto",
@@ -96,14 +96,23 @@ def _one_run(settings: Any) -> dict[str, Any]:
     }
 
 
-def run_train_bench(opts: TrainBenchOptions, log: Any = print) -> dict[str, Any]:
-    """Run every configuration ``opts.rounds`` times, alternating; return every run and the summary."""
+def bench_settings(opts: TrainBenchOptions) -> dict[tuple[str, str], Any]:
+    """Every (layout, comm) configuration's settings, composed and checked; the testbed, the devices and every
+    component checked once (:func:`hybrid.app.checks.prepare`), so the data are generated before any clock runs."""
     from hybrid.app.checks import prepare
 
     settings = {(layout, comm): compose_settings(opts.overrides, layout, comm, opts.steps, opts.testbed_mbit,
                                                    opts.config_dirs)
                 for layout in opts.layouts for comm in opts.comms}
-    prepare(next(iter(settings.values())))  # synthetic data generated once, before any clock runs
+    prepare(next(iter(settings.values())))
+    return settings
+
+
+def run_train_bench(opts: TrainBenchOptions, log: Any = print,
+                    settings: dict[tuple[str, str], Any] | None = None) -> dict[str, Any]:
+    """Run every configuration ``opts.rounds`` times, alternating; return every run and the summary.
+    ``settings``: :func:`bench_settings`' result, where the caller has it already."""
+    settings = settings or bench_settings(opts)
     runs: dict[str, list[dict[str, Any]]] = {f"{layout} {comm}": [] for layout, comm in settings}
     for r in range(opts.rounds):
         order = list(settings) if r % 2 == 0 else list(settings)[::-1]
@@ -224,13 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = TrainBenchOptions(layouts, comms, args.steps, args.rounds, args.baseline, args.testbed_mbit,
                              list(args.overrides), list(args.config_dirs))
     try:
-        for layout in layouts:
-            compose_settings(opts.overrides, layout, comms[0], opts.steps, opts.testbed_mbit, opts.config_dirs)
-        from hybrid.app.checks import prepare
-
-        # The testbed, the devices, and every component built once (the data generated once, up front).
-        prepare(compose_settings(opts.overrides, layouts[0], comms[0], opts.steps, opts.testbed_mbit,
-                                 opts.config_dirs))
+        settings = bench_settings(opts)
     except Exception as exc:  # Hydra / OmegaConf / validation: one line
         from hybrid.app.checks import one_line_error
         from hybrid.app.config import packaged_conf_dir
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(args.output) if args.output else Path("outputs") / "bench" / f"train-{'_'.join(layouts)}-{stamp}.json"
     if output.exists() and not args.overwrite:
         p.error(f"--output {output} exists: pass --overwrite or choose another path")
-    report = run_train_bench(opts)
+    report = run_train_bench(opts, settings=settings)
     print(format_table(report))
     output.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(output, report)
