@@ -160,3 +160,22 @@ def test_sharded_pipelines_pieces_through_two_reused_inboxes(monkeypatch):
     x = torch.arange(20, dtype=torch.float32)
     assert torch.equal(comm.all_reduce_mean_(x.clone()), x)
     assert [c[0] for c in calls].count("all_to_all_single") == 5
+
+
+def test_gloo_groups_made_for_cross_group_j_start_on_nic_j_mod_k(monkeypatch):
+    """Sharded's cross groups run side by side; gloo takes a group's NICs in turn from the first one named, so
+    cross group j is made with the list rotated by j: groups 0..K-1 start on K different NICs."""
+    import os
+
+    from hybrid.core.comm.groups import gloo_nics_starting_at
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nic0,nic1,nic2")
+    seen = []
+    for j in range(4):
+        with gloo_nics_starting_at(j):
+            seen.append(os.environ["GLOO_SOCKET_IFNAME"])
+    assert seen == ["nic0,nic1,nic2", "nic1,nic2,nic0", "nic2,nic0,nic1", "nic0,nic1,nic2"]
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "nic0,nic1,nic2"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")  # one NIC: nothing to rotate
+    with gloo_nics_starting_at(1):
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "eth0"

@@ -17,7 +17,7 @@ import testbed_targets
 
 from hybrid.core.topology import Layout
 from hybrid.runtime.launch import launch_local
-from hybrid.runtime.testbed import LinkShape, Testbed, cleanup_leftovers, testbed_available
+from hybrid.runtime.testbed import LinkShape, Testbed, cleanup_leftovers, nic_address, testbed_available
 
 REASON = testbed_available()
 needs_testbed = pytest.mark.skipif(REASON is not None, reason=f"testbed unavailable: {REASON}")
@@ -68,6 +68,82 @@ def test_bench_counts_the_bytes_crossing_each_nic_and_the_link_caps_utilisation(
         assert payload <= row["nic_tx_bytes"] < 1.15 * payload, (name, row["nic_tx_bytes"])
         # The shaping caps what a NIC can move; the wire bytes include the headers tbf counts.
         assert 0.2 < row["link_utilisation"] <= 1.05, (name, row["link_utilisation"])
+    assert ours() == []
+
+
+def _rx_bytes(namespace: str) -> dict[str, int]:
+    """Bytes each interface of ``namespace`` has received."""
+    text = subprocess.run(["ip", "netns", "exec", namespace, "cat", "/proc/net/dev"], capture_output=True,
+                          text=True, check=True).stdout
+    return {line.split(":")[0].strip(): int(line.split(":")[1].split()[0]) for line in text.splitlines()[2:]}
+
+
+_SEND = ("import socket, sys, time\n"
+         "addr, n = sys.argv[1], int(sys.argv[2])\n"
+         "for attempt in range(100):\n"
+         "    try:\n"
+         "        s = socket.create_connection((addr, 5001), timeout=30); break\n"
+         "    except OSError:\n"
+         "        time.sleep(0.05)\n"
+         "start = time.perf_counter(); s.sendall(b'x' * n); s.shutdown(socket.SHUT_WR); s.recv(1)\n"
+         "print(time.perf_counter() - start)\n")
+_RECV = ("import socket, sys\n"
+         "srv = socket.create_server((sys.argv[1], 5001)); srv.settimeout(60); c, _ = srv.accept()\n"
+         "while c.recv(1 << 16): pass\n"
+         "c.close()\n")
+
+
+def _send(bed: Testbed, src: int, dst: int, nic: int, nbytes: int) -> float:
+    """Seconds to move ``nbytes`` over TCP from node ``src`` to NIC ``nic`` of node ``dst``."""
+    addr = nic_address(dst, nic)
+    with subprocess.Popen(["ip", "netns", "exec", bed.namespaces[dst], sys.executable, "-c", _RECV, addr]) as rx:
+        out = subprocess.run(["ip", "netns", "exec", bed.namespaces[src], sys.executable, "-c", _SEND, addr,
+                              str(nbytes)], capture_output=True, text=True, timeout=60, check=True)
+        rx.wait(timeout=30)
+    return float(out.stdout)
+
+
+@needs_testbed
+def test_several_nics_per_node_each_its_own_shaped_rail_and_one_rate_per_node():
+    """Node 0 and 1 at 100 Mbit/s, node 2 degraded to 25; two NICs each. What is sent to a NIC's address
+    arrives on that NIC and no other (a multi-homed host answering ARP for every address would let one NIC
+    take both rails' traffic), and the degraded node's links are shaped to its own rate."""
+    nbytes = 2 * 2**20
+    with Testbed(3, [LinkShape(100), LinkShape(100), LinkShape(25)], nics_per_node=2) as bed:
+        assert [n.ifname for n in bed.nodes] == ["nic0,nic1"] * 3
+        assert [n.address for n in bed.nodes] == [nic_address(i, 0) for i in range(3)]
+        for nic in (0, 1):
+            before = _rx_bytes(bed.namespaces[1])
+            _send(bed, 0, 1, nic, nbytes)
+            after = _rx_bytes(bed.namespaces[1])
+            got = {name: after[name] - before[name] for name in ("nic0", "nic1")}
+            assert got[f"nic{nic}"] >= nbytes and got[f"nic{1 - nic}"] < 0.01 * nbytes, (nic, got)
+        fast = _send(bed, 0, 1, 1, nbytes)
+        slow = _send(bed, 0, 2, 1, nbytes)  # into node 2: its host-side qdisc, 25 Mbit/s
+    assert ours() == []
+    assert fast > 0.8 * nbytes * 8 / 100e6
+    assert slow > 0.8 * nbytes * 8 / 25e6
+
+
+@needs_testbed
+def test_bench_with_two_nics_spreads_shardeds_cross_groups_over_both(tmp_path):
+    """2 nodes x 2 workers, 2 NICs each, 2 MiB: sharded's two cross groups start on different NICs, so
+    each NIC carries one worker's 1 MiB shard (once each way); flat's one ring uses one NIC per call."""
+    size = 2 * 2**20
+    out = subprocess.run(
+        [sys.executable, "-m", "hybrid.bench", "--layout", "2x2", "--sizes", "2M", "--algorithms",
+         "sharded-inter,flat", "--iters", "3", "--warmup", "1", "--testbed-mbit", "200", "--testbed-nics", "2",
+         "--output", str(tmp_path / "b.json")],
+        capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "MB per NIC by node" in out.stdout and "2 NIC(s) per node" in out.stdout
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["testbed_nics_per_node"] == 2
+    rows = {r["algorithm"]: r for r in report["results"]}
+    for node in rows["sharded-inter"]["nic_tx_bytes_by_node"]:
+        assert len(node) == 2 and all(size / 2 <= b < 1.15 * size / 2 for b in node), node
+    for node in rows["flat"]["nic_tx_bytes_by_node"]:  # 1.5 x S on one NIC, the other idle
+        assert 1.5 * size <= max(node) < 1.15 * 1.5 * size and min(node) < 0.01 * size, node
     assert ours() == []
 
 

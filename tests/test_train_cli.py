@@ -114,6 +114,10 @@ BAD = [
     (["trainer.precision=fp16"], "trainer.precision='fp16' is not one of fp32, bf16"),
     (["trainer.grad_clip_norm=-1"], "trainer.grad_clip_norm=-1.0 must be >= 0"),
     (["comm.find_unused_parameters=maybe"], "comm.find_unused_parameters: Value 'maybe' is not a valid bool"),
+    (["cluster.testbed.link_mbit=[500,100,100]"],
+     "cluster.testbed.link_mbit=[500, 100, 100] must be a rate > 0 (Mbit/s) or a list of 2 such rates, one per node"),
+    (["cluster.testbed.link_mbit=fast"], "cluster.testbed.link_mbit='fast' must be a rate > 0"),
+    (["cluster.testbed.nics_per_node=0"], "cluster.testbed.nics_per_node=0 must be in 1..8"),
     (["comm=flat", "comm.inter_compression=bf16"],
      "comm.inter_compression='bf16' compresses the inter-node phase of hierarchical and sharded (and auto's choices of them); comm=flat has none"),
 ]

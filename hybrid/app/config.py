@@ -25,6 +25,7 @@ from hybrid.core.comm.compression import INTER_COMPRESSIONS
 from hybrid.core.comm.groups import BACKENDS
 from hybrid.core.comm.registry import CHOOSABLE, COMPRESSIBLE
 from hybrid.core.topology import Layout
+from hybrid.runtime.testbed import MAX_NICS
 
 __all__ = [
     "COMM_ALGORITHMS",
@@ -62,9 +63,16 @@ class TestbedConfig:
     """Run each simulated node in its own network namespace behind a shaped link (hybrid.runtime.testbed)."""
 
     enabled: bool = False
-    link_mbit: float = 500.0  # each node's NIC, both directions
+    # Each NIC's rate, both directions, Mbit/s: one for every node, or a list with one per node (a degraded node).
+    link_mbit: Any = 500.0
+    nics_per_node: int = 1  # NICs per node, each shaped to its node's rate; gloo uses all of them
     burst_kb: float = 0.0  # tbf burst; 0 = one 4 ms tick at the rate, at least 64 KB
     latency_ms: float = 50.0  # tbf queue limit
+
+    def rates(self, nnodes: int) -> list[float]:
+        """One rate per node (validated: see ``_validate_cluster``)."""
+        rates = list(self.link_mbit) if isinstance(self.link_mbit, (list, tuple)) else [self.link_mbit]
+        return [float(r) for r in rates] * (nnodes if len(rates) == 1 else 1)
 
 
 @dataclass
@@ -284,8 +292,14 @@ def _validate_cluster(c: ClusterConfig) -> None:
         raise ValueError(f"cluster.rdzv_port={c.rdzv_port!r} must be 0 (derived from the Slurm job id) "
                          "or a port, 1-65535")
     _one_of("cluster.intra_mode", c.intra_mode, INTRA_MODES)
-    if not c.testbed.link_mbit > 0:
-        raise ValueError(f"cluster.testbed.link_mbit={c.testbed.link_mbit!r} must be > 0")
+    rates = c.testbed.link_mbit
+    listed = list(rates) if isinstance(rates, (list, tuple)) else [rates]
+    if (len(listed) not in (1, c.nnodes)
+            or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in listed)):
+        raise ValueError(f"cluster.testbed.link_mbit={rates!r} must be a rate > 0 (Mbit/s) or a list of "
+                         f"{c.nnodes} such rates, one per node")
+    if not 1 <= c.testbed.nics_per_node <= MAX_NICS:
+        raise ValueError(f"cluster.testbed.nics_per_node={c.testbed.nics_per_node!r} must be in 1..{MAX_NICS}")
     _at_least("cluster.testbed.burst_kb", c.testbed.burst_kb, 0)
     _at_least("cluster.testbed.latency_ms", c.testbed.latency_ms, 0.001)
 

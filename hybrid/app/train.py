@@ -38,7 +38,8 @@ def launch_job(settings: TrainConfig, entrypoint: Any, args: tuple) -> list[Any]
     if not tb.enabled:
         return launch_local(settings.process_layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s,
                             max_restarts=restarts)
-    with Testbed(settings.cluster.nnodes, LinkShape(tb.link_mbit, tb.burst_kb, tb.latency_ms)) as bed:
+    links = [LinkShape(rate, tb.burst_kb, tb.latency_ms) for rate in tb.rates(settings.cluster.nnodes)]
+    with Testbed(settings.cluster.nnodes, links, tb.nics_per_node) as bed:
         return launch_local(settings.process_layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s,
                             nodes=bed.nodes, max_restarts=restarts)
 

@@ -1,15 +1,19 @@
 """A real multi-node network on one Linux machine: nodes as network namespaces on shaped links.
 
-Each simulated node is a network namespace with one "NIC" (``nic0``, one end
-of a veth pair) whose other end is attached to a bridge in the root namespace
-(the switch). Both ends are shaped with ``tc ... tbf``, so traffic between
-nodes crosses a real bandwidth limit, while traffic between workers of one
-node stays on that namespace's local path (fast, like NVLink in spirit). The
-workers' gloo sockets bind to ``nic0`` and the ranks meet through a c10d
-rendezvous on node 0's address: the same code path as a real cluster, with no
-emulation in the training code.
+Each simulated node is a network namespace with K "NICs" (``nic0`` ..
+``nic{K-1}``, one end of a veth pair each) whose other ends are attached to a
+bridge in the root namespace (the switch). Both ends are shaped with
+``tc ... tbf``, so traffic between nodes crosses a real bandwidth limit (one
+rate per node: a degraded node is one rate lower), while traffic between
+workers of one node stays on that namespace's local path (fast, like NVLink in
+spirit). NIC k of every node sits in its own /24 (``10.213.(57+k).0``): a
+rail, as on GPU clusters where NIC k of each node talks to NIC k of the others.
+The workers' gloo binds to every NIC (``GLOO_SOCKET_IFNAME=nic0,nic1``: gloo
+opens one device per name and takes them in turn, collective by collective)
+and the ranks meet through a c10d rendezvous on node 0's ``nic0`` address:
+the same code path as a real cluster, with no emulation in the training code.
 
-Safety: addresses come from one private /24 used only inside namespaces this
+Safety: addresses come from private /24s used only inside namespaces this
 module creates; the bridge has no address and no uplink, so nothing can leave
 them. Every namespace, veth and bridge is removed on exit (also on an
 exception, Ctrl-C or SIGTERM); names carry the creating process id, so a
@@ -27,13 +31,25 @@ import signal
 import subprocess
 from dataclasses import dataclass
 from types import FrameType, TracebackType
+from typing import Sequence
 
 from hybrid.runtime.launch import NodeNetwork
 
-__all__ = ["SUBNET", "LinkShape", "Testbed", "TestbedError", "cleanup_leftovers", "testbed_available"]
+__all__ = ["MAX_NICS", "LinkShape", "Testbed", "TestbedError", "cleanup_leftovers", "nic_address", "nic_names",
+           "testbed_available"]
 
-SUBNET = "10.213.57"  # .1 .. .N: node addresses, /24
-NIC = "nic0"
+MAX_NICS = 8
+
+
+def nic_address(node: int, nic: int) -> str:
+    """NIC ``nic`` of node ``node``: 10.213.(57 + nic).(node + 1), a /24 per NIC index (a rail)."""
+    return f"10.213.{57 + nic}.{node + 1}"
+
+
+def nic_names(nics: int) -> list[str]:
+    """The NICs of a node, as named inside its namespace: nic0, nic1, ..."""
+    return [f"nic{k}" for k in range(nics)]
+
 _NS = re.compile(r"^hybrid-(\d+)-n(\d+)$")
 _BRIDGE = re.compile(r"^hyb(\d+)br$")
 
@@ -121,23 +137,39 @@ class LinkShape:
 
 
 class Testbed:
-    """``with Testbed(2, LinkShape(500)) as tb: launch_local(layout, fn, nodes=tb.nodes)``."""
+    """``with Testbed(2, LinkShape(500)) as tb: launch_local(layout, fn, nodes=tb.nodes)``.
+
+    ``link``: one shape for every node, or one per node (node i's NICs all get ``link[i]``);
+    ``nics_per_node``: K NICs per node, each shaped on its own."""
 
     __test__ = False  # not a pytest test class, despite the name
 
-    def __init__(self, nnodes: int, link: LinkShape) -> None:
+    def __init__(self, nnodes: int, link: LinkShape | Sequence[LinkShape], nics_per_node: int = 1) -> None:
         if not 1 <= nnodes <= 200:
             raise ValueError(f"testbed nnodes={nnodes} must be in 1..200")
-        self.nnodes, self.link = nnodes, link
+        if not 1 <= nics_per_node <= MAX_NICS:
+            raise ValueError(f"testbed nics_per_node={nics_per_node} must be in 1..{MAX_NICS}")
+        links = [link] * nnodes if isinstance(link, LinkShape) else list(link)
+        if len(links) != nnodes:
+            raise ValueError(f"testbed link_mbit has {len(links)} rates for {nnodes} nodes: give one, or one per node")
+        self.nnodes, self.links, self.nics_per_node = nnodes, links, nics_per_node
         pid = os.getpid()
         self.bridge = f"hyb{pid}br"
         self.namespaces = [f"hybrid-{pid}-n{i}" for i in range(nnodes)]
-        self._host_ends = [f"hyb{pid}n{i}" for i in range(nnodes)]
+        # Interface names have at most 15 characters: nic 0 keeps the plain name, nic k > 0 a letter.
+        self._host_ends = [[f"hyb{pid}n{i}" + ("" if k == 0 else chr(ord("a") + k)) for k in range(nics_per_node)]
+                           for i in range(nnodes)]
         self._previous_sigterm: object = None
 
     @property
+    def link(self) -> LinkShape:
+        """Node 0's link shape (all nodes' unless one rate per node was given)."""
+        return self.links[0]
+
+    @property
     def nodes(self) -> list[NodeNetwork]:
-        return [NodeNetwork(f"{SUBNET}.{i + 1}", NIC, ("ip", "netns", "exec", ns))
+        ifnames = ",".join(nic_names(self.nics_per_node))
+        return [NodeNetwork(nic_address(i, 0), ifnames, ("ip", "netns", "exec", ns))
                 for i, ns in enumerate(self.namespaces)]
 
     def __enter__(self) -> "Testbed":
@@ -160,23 +192,29 @@ class Testbed:
     def _create(self) -> None:
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "link", "set", self.bridge, "up")
-        for i, (ns, host_end) in enumerate(zip(self.namespaces, self._host_ends)):
+        for i, (ns, host_ends, link) in enumerate(zip(self.namespaces, self._host_ends, self.links)):
             _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", NIC, "netns", ns)
-            _run("ip", "link", "set", host_end, "master", self.bridge)
-            _run("ip", "link", "set", host_end, "up")
-            _run("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", NIC)
-            _run("ip", "-n", ns, "link", "set", NIC, "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-            # Egress of the host end is the node's download; egress of nic0 its upload.
-            _run("tc", "qdisc", "add", "dev", host_end, "root", *self.link.tbf_args())
-            _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", NIC, "root", *self.link.tbf_args())
+            if self.nics_per_node > 1:
+                # A multi-homed host: answer ARP only on the NIC that holds the address, and announce from it,
+                # or a peer may learn nic0's MAC for nic1's address and send both NICs' traffic through one.
+                _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.conf.all.arp_ignore=1",
+                     "net.ipv4.conf.all.arp_announce=2")
+            for k, (nic, host_end) in enumerate(zip(nic_names(self.nics_per_node), host_ends)):
+                _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", nic, "netns", ns)
+                _run("ip", "link", "set", host_end, "master", self.bridge)
+                _run("ip", "link", "set", host_end, "up")
+                _run("ip", "-n", ns, "addr", "add", f"{nic_address(i, k)}/24", "dev", nic)
+                _run("ip", "-n", ns, "link", "set", nic, "up")
+                # Egress of the host end is the node's download; egress of the NIC its upload.
+                _run("tc", "qdisc", "add", "dev", host_end, "root", *link.tbf_args())
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", nic, "root", *link.tbf_args())
 
     def destroy(self) -> None:
         """Remove everything this testbed created (deleting a namespace deletes its veth pair)."""
         for ns in self.namespaces:
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
-        for host_end in self._host_ends:
+        for host_end in (name for ends in self._host_ends for name in ends):
             subprocess.run(["ip", "link", "delete", host_end], capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True, timeout=30)
         self._restore_sigterm()

@@ -16,10 +16,10 @@ each one's ratio to the bare ``torch`` all-reduce measured in the same run:
 the median over iterations of its time over torch's time in the same
 iteration (paired, so drift between iterations cancels), with quartiles.
 
-On the testbed (``--testbed-mbit``) every node's leader also reads its NIC's
-transmit counter (``/proc/net/dev``) around each iteration: the bytes that
-really crossed the shaped link, and the link utilisation
-``bytes * 8 / time / rate``. The ``sharded-inter`` row times the inter-node
+On the testbed (``--testbed-mbit``, ``--testbed-nics``) every node's leader
+also reads its NICs' transmit counters (``/proc/net/dev``) around each
+iteration: the bytes that really crossed each shaped link, and the link
+utilisation ``bytes * 8 / time / rate`` of the busiest one. The ``sharded-inter`` row times the inter-node
 phase of ``sharded`` alone (every worker all-reduces its 1/g shard over its
 cross group, all in parallel), the figure the link utilisation target is
 about.
@@ -66,7 +66,8 @@ class BenchOptions:
     inter_backend: str = "auto"
     timeout_s: float = 300.0
     chunk_mb: float = 4.0
-    link_mbit: float = 0.0  # the testbed's shaping; 0 = loopback, no NIC counters
+    link_mbit: list[float] = field(default_factory=list)  # the testbed's rate per node; empty = loopback
+    nics_per_node: int = 1  # the testbed's NICs per node
 
 
 def nic_tx_bytes(ifname: str) -> int:
@@ -78,12 +79,17 @@ def nic_tx_bytes(ifname: str) -> int:
     raise ValueError(f"network interface {ifname!r} not found in /proc/net/dev")
 
 
+def _nic_bytes(nics: list[str]) -> list[int]:
+    return [nic_tx_bytes(n) for n in nics]
+
+
 def _time_all(fns: dict[str, Any], tensor: Any, opts: BenchOptions, counters: dict[str, Any],
-              nic: str | None) -> dict[str, dict[str, Any]]:
+              nics: list[str], leaders: tuple[int, ...]) -> dict[str, dict[str, Any]]:
     """Time every algorithm in ``fns`` on ``tensor``, taking turns iteration by iteration.
 
-    Collective. On the testbed (``opts.link_mbit``) the ranks given a ``nic``
-    (node leaders) count the bytes it transmits per iteration.
+    Collective. On the testbed (``opts.link_mbit``) the ranks given ``nics``
+    (node leaders, ``leaders`` in node order) count the bytes each NIC
+    transmits per iteration.
     """
     import torch
     import torch.distributed as dist
@@ -103,7 +109,7 @@ def _time_all(fns: dict[str, Any], tensor: Any, opts: BenchOptions, counters: di
         for name in names[shift:] + names[:shift]:
             tensor.fill_(1)
             dist.barrier()
-            tx = nic_tx_bytes(nic) if nic else 0
+            tx = _nic_bytes(nics)
             if opts.link_mbit:
                 # No rank may send before every leader has read its counter, or a worker
                 # that leaves the first barrier early has bytes on the wire already.
@@ -113,7 +119,7 @@ def _time_all(fns: dict[str, Any], tensor: Any, opts: BenchOptions, counters: di
             times[name].append(time.perf_counter() - start)
             if opts.link_mbit:
                 dist.barrier()  # every rank is done: all of this op's bytes have crossed
-                sent[name].append(nic_tx_bytes(nic) - tx if nic else 0)
+                sent[name].append([b - a for a, b in zip(tx, _nic_bytes(nics))] or [0] * opts.nics_per_node)
     out = {}
     for name in names:
         slowest = torch.tensor(times[name], dtype=torch.float64)
@@ -127,15 +133,30 @@ def _time_all(fns: dict[str, Any], tensor: Any, opts: BenchOptions, counters: di
             phases = {k: float(v) for k, v in zip(keys, per_phase) if snap[k].calls or v > 0}
         row = {"times_s": slowest.tolist(), "median_s": statistics.median(slowest.tolist()), "phases_s": phases}
         if opts.link_mbit:
-            # Only node leaders read their NIC; the busiest NIC is the bottleneck.
-            nic_bytes = torch.tensor(sent[name], dtype=torch.float64)
-            dist.all_reduce(nic_bytes, op=dist.ReduceOp.MAX)
-            per_iter = nic_bytes.tolist()
-            link_bps = opts.link_mbit * 1e6
-            util = [b * 8 / t / link_bps for b, t in zip(per_iter, row["times_s"])]
-            row.update(nic_tx_bytes=statistics.median(per_iter), link_utilisation=statistics.median(util))
+            row.update(_nic_summary(sent[name], row["times_s"], opts, leaders))
         out[name] = row
     return out
+
+
+def _nic_summary(sent: list[list[int]], times: list[float], opts: BenchOptions,
+                 leaders: tuple[int, ...]) -> dict[str, Any]:
+    """Collective: every leader's per-iteration, per-NIC bytes, gathered. The busiest NIC (against its own
+    node's rate) is the bottleneck: ``nic_tx_bytes`` and ``link_utilisation`` are its; ``nic_tx_bytes_by_node``
+    holds every NIC's median."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor(sent, dtype=torch.float64)  # iterations x NICs; zeros on non-leaders
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    per_node = torch.stack([every[r] for r in leaders])  # nodes x iterations x NICs
+    rates = torch.tensor(opts.link_mbit, dtype=torch.float64).view(-1, 1, 1) * 1e6
+    seconds = torch.tensor(times, dtype=torch.float64).view(1, -1, 1)
+    util = (per_node * 8 / seconds / rates).amax(dim=(0, 2))  # per iteration: the busiest NIC's
+    busiest = per_node.amax(dim=(0, 2))
+    return {"nic_tx_bytes": statistics.median(busiest.tolist()),
+            "link_utilisation": statistics.median(util.tolist()),
+            "nic_tx_bytes_by_node": per_node.median(dim=1).values.tolist()}
 
 
 def _paired_ratio(times: list[float], reference: list[float]) -> dict[str, float]:
@@ -226,13 +247,13 @@ def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
         dtype = getattr(torch, opts.dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()
         rows = []
-        nic = os.environ.get("GLOO_SOCKET_IFNAME") if opts.link_mbit and topo.is_leader else None
+        nics = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if opts.link_mbit and topo.is_leader else []
         if "sharded-inter" in opts.algorithms and groups.cross is None:
             raise ValueError(f"sharded-inter needs nodes of equal size, got {list(topo.node_sizes)}")
         for size in opts.sizes:
             tensor = torch.empty(max(1, size // itemsize), dtype=dtype, device=device)
             fns, counters, runs_as = _contenders(opts, groups, tensor, device)
-            timings = _time_all(fns, tensor, opts, counters, nic)
+            timings = _time_all(fns, tensor, opts, counters, nics, topo.leaders)
             for alg in opts.algorithms:
                 timing = timings[alg]
                 nbytes = tensor.nbytes
@@ -261,7 +282,9 @@ def format_table(report: dict[str, Any]) -> str:
             f"{report['device']}, intra={report['intra_backend']} inter={report['inter_backend']}")
     link = report.get("testbed_link_mbit")
     if link:
-        head += f", testbed NICs shaped to {link:g} Mbit/s"
+        nics = report.get("testbed_nics_per_node", 1)
+        rates = link if isinstance(link, (int, float)) else ",".join(f"{r:g}" for r in link)
+        head += f", testbed: {nics} NIC(s) per node shaped to {rates} Mbit/s"
     cols = (f"{'size':>10} {'algorithm':>13} {'time ms':>9} {'vs torch':>8} {'quartiles':>10} {'algbw GB/s':>10} {'busbw GB/s':>10}"
             + (f" {'NIC MB':>8} {'link use':>8}" if link else "") + "  phases ms")
     lines = [head, cols]
@@ -274,11 +297,14 @@ def format_table(report: dict[str, Any]) -> str:
                if "link_utilisation" in row else "")
         lines.append(f"{human_size(row['bytes']):>10} {name:>13} {row['median_s'] * 1e3:9.2f} {ratio} "
                      f"{row['algbw_GBps']:10.3f} {row['busbw_GBps']:10.3f}{nic}  {phases}")
+        if "nic_tx_bytes_by_node" in row:
+            lines.append(f"{'':>24} MB per NIC by node: " + "  ".join(
+                f"n{i}:" + "/".join(f"{b / 1e6:.2f}" for b in node) for i, node in enumerate(row["nic_tx_bytes_by_node"])))
     lines.append("vs torch: median over iterations of time / the bare torch.distributed.all_reduce's time in the "
                  "same iteration (sum only; the algorithms also average); quartiles: of those ratios")
     if link:
-        lines.append("NIC MB: bytes the busiest node's NIC transmitted per call (/proc/net/dev, headers "
-                     "included); link use: NIC bits / time / shaped rate")
+        lines.append("NIC MB: bytes the busiest NIC transmitted per call (/proc/net/dev, headers included); link "
+                     "use: its bits / time / its shaped rate; MB per NIC by node: every NIC's (nic0/nic1/...)")
     return "\n".join(lines)
 
 
@@ -303,9 +329,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-backend", default="auto", choices=("auto", "gloo", "nccl"))
     p.add_argument("--chunk-mb", type=float, default=4.0,
                    help="pipeline piece size of the two-level algorithms, MiB (default 4)")
-    p.add_argument("--testbed-mbit", type=float, default=0.0,
-                   help="run each node in its own network namespace behind a NIC shaped to this many Mbit/s "
-                        "(needs root; default 0 = all nodes on loopback)")
+    p.add_argument("--testbed-mbit", default="0",
+                   help="run each node in its own network namespace behind NICs shaped to this many Mbit/s, or "
+                        "one rate per node, comma-separated (needs root; default 0 = all nodes on loopback)")
+    p.add_argument("--testbed-nics", type=int, default=1,
+                   help=f"NICs per node on the testbed, 1..{8} (default 1); gloo uses all of them")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails (default 300)")
     p.add_argument("--output", default=None,
                    help="JSON results file (default: outputs/bench/<layout>-<date>-<time>.json, a new file each run)")
@@ -331,10 +359,24 @@ def _options(args: argparse.Namespace, p: argparse.ArgumentParser) -> BenchOptio
         p.error(f"--timeout {args.timeout} must be > 0 seconds")
     if not args.chunk_mb > 0:
         p.error(f"--chunk-mb {args.chunk_mb} must be > 0")
-    if args.testbed_mbit < 0:
-        p.error(f"--testbed-mbit {args.testbed_mbit} must be >= 0 (0: no testbed)")
+    rates = testbed_rates(args.testbed_mbit, Layout.parse(layout).nnodes, p)
+    if not 1 <= args.testbed_nics <= 8:
+        p.error(f"--testbed-nics {args.testbed_nics} must be in 1..8")
     return BenchOptions(layout, sizes, algorithms, args.iters, args.warmup, args.dtype,
-                        args.intra_backend, args.inter_backend, args.timeout, args.chunk_mb, args.testbed_mbit)
+                        args.intra_backend, args.inter_backend, args.timeout, args.chunk_mb, rates, args.testbed_nics)
+
+
+def testbed_rates(text: str, nnodes: int, p: argparse.ArgumentParser) -> list[float]:
+    """``--testbed-mbit``: one rate for every node or one per node; [] for none (loopback)."""
+    try:
+        rates = [float(r) for r in str(text).split(",") if r.strip()]
+    except ValueError:
+        p.error(f"--testbed-mbit {text!r}: give Mbit/s as a number, or one per node, comma-separated")
+    if rates == [0.0] or not rates:
+        return []
+    if any(not r > 0 for r in rates) or len(rates) not in (1, nnodes):
+        p.error(f"--testbed-mbit {text!r}: rates must be > 0, one for all {nnodes} nodes or one per node")
+    return rates * nnodes if len(rates) == 1 else rates
 
 
 def _default_output(layout: str) -> Path:
@@ -357,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank0 and output.exists() and not args.overwrite:
         p.error(f"--output {output} exists: pass --overwrite or choose another path")
     if under_torchrun:
-        if args.testbed_mbit:
-            p.error(f"--testbed-mbit {args.testbed_mbit:g} starts its own nodes: run it without torchrun")
+        if opts.link_mbit:
+            p.error(f"--testbed-mbit {args.testbed_mbit} starts its own nodes: run it without torchrun")
         if args.layout is not None:
             from hybrid.core.topology import WorkerEnv, check_world_size
             check_world_size(Layout.parse(args.layout), WorkerEnv.from_env().world_size)
@@ -369,15 +411,17 @@ def main(argv: list[str] | None = None) -> int:
         layout = Layout.parse(opts.layout)
         # Generous: start-up plus every collective's own timeout bounds it anyway.
         budget = opts.timeout_s + 120 + 10 * len(opts.sizes) * len(opts.algorithms) * (opts.iters + opts.warmup)
-        if args.testbed_mbit:
+        if opts.link_mbit:
             from hybrid.runtime.testbed import LinkShape, Testbed, TestbedError
 
             try:
-                with Testbed(layout.nnodes, LinkShape(args.testbed_mbit)) as bed:
+                with Testbed(layout.nnodes, [LinkShape(r) for r in opts.link_mbit], opts.nics_per_node) as bed:
                     report = launch_local(layout, run_bench, (opts,), timeout_s=budget, nodes=bed.nodes)[0]
             except TestbedError as exc:
                 p.error(str(exc))
-            report["testbed_link_mbit"] = args.testbed_mbit
+            rates = opts.link_mbit
+            report["testbed_link_mbit"] = rates[0] if len(set(rates)) == 1 else rates
+            report["testbed_nics_per_node"] = opts.nics_per_node
         else:
             report = launch_local(layout, run_bench, (opts,), timeout_s=budget)[0]
     if report is not None:

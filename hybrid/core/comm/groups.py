@@ -10,10 +10,12 @@ collectives can never be matched against each other.
 
 from __future__ import annotations
 
+import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,11 +23,40 @@ import torch.distributed as dist
 from hybrid.core.comm.ordered_stream import OrderedStream
 from hybrid.core.topology import Topology
 
-__all__ = ["BACKENDS", "GROUP_KINDS", "CommGroups", "resolve_backend"]
+__all__ = ["BACKENDS", "GROUP_KINDS", "CommGroups", "gloo_nics_starting_at", "resolve_backend"]
 
 BACKENDS = ("auto", "gloo", "nccl")
 GROUP_KINDS = ("world", "intra", "leaders", "cross")
 _STREAM_LOCK = threading.Lock()
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+
+
+@contextmanager
+def gloo_nics_starting_at(first: int) -> Iterator[None]:
+    """Gloo groups created inside start on the ``first``-th (mod K) of the K NICs in ``GLOO_SOCKET_IFNAME``.
+
+    Gloo opens one device per name in ``GLOO_SOCKET_IFNAME`` and runs a
+    group's collectives through them in turn (collective i on device i mod K),
+    one at a time. The sharded algorithm's g cross groups run side by side and
+    in step, so with the same order everywhere they would all sit on the same
+    NIC at once; rotated by the group's local rank, cross group j starts on
+    NIC j mod K, and g >= K groups keep every NIC busy (NCCL maps GPU j to its
+    nearest NIC the same way). torch gives gloo groups no per-group device
+    option, only the environment it reads when a group is made, so this sets
+    it for the duration. Every member of a group must rotate alike (they do:
+    the rotation is a property of the group, not of the rank).
+    """
+    names = os.environ.get(GLOO_IFNAME)
+    nics = [n for n in (names or "").split(",") if n]
+    if len(nics) < 2:
+        yield
+        return
+    k = first % len(nics)
+    os.environ[GLOO_IFNAME] = ",".join(nics[k:] + nics[:k])
+    try:
+        yield
+    finally:
+        os.environ[GLOO_IFNAME] = names  # type: ignore[assignment]
 
 
 def resolve_backend(name: str, level: str) -> str:
@@ -103,9 +134,11 @@ class CommGroups:
         if "leaders" in wanted:
             leaders_group = dist.new_group(list(topology.leaders), timeout=timeout, backend=inter_b)
         if "cross" in wanted and topology.is_uniform:
-            cross, _ = dist.new_subgroups_by_enumeration(
-                [list(g) for g in topology.cross_groups()], timeout=timeout, backend=inter_b
-            )
+            for j, ranks in enumerate(topology.cross_groups()):
+                with gloo_nics_starting_at(j):  # rail-aligned: cross group j on NIC j mod K first
+                    group = dist.new_group(list(ranks), timeout=timeout, backend=inter_b)
+                if topology.rank in ranks:
+                    cross = group
         return cls(
             topology=topology,
             intra_backend=intra_b,
