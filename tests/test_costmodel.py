@@ -145,3 +145,80 @@ def test_cli_json_has_seconds_algbw_and_busbw_per_size_and_algorithm():
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith("conn_gbps=0.0 must be > 0 (or None: "
                                                                                   "no per-connection cap)")
+
+
+def bench_report(layout: str, model: Model, sizes, nics: int = 1, chunk_mb: float = 4.0, scale: float = 1.0) -> dict:
+    """A hybrid.bench report as the model would time it (each time x ``scale``), with its per-phase times."""
+    from hybrid.tools.costmodel import as_benched
+
+    lay = Layout.parse(layout)
+    report = {"layout": layout, "node_sizes": list(lay.node_sizes), "testbed_nics_per_node": nics,
+              "options": {"chunk_mb": chunk_mb}, "results": []}
+    for size in sizes:
+        m = as_benched(model, report, size)
+        for alg in ("flat", "hierarchical", "sharded"):
+            phases = predict(m, alg, lay, size, chunk_mb * 2**20)
+            total = phases.pop("total")
+            report["results"].append({"algorithm": alg, "runs_as": alg, "bytes": size, "median_s": total * scale,
+                                      "phases_s": {k: v * scale for k, v in phases.items() if v}})
+    return report
+
+
+def test_calibration_takes_the_nic_from_flat_and_phases_only_from_one_piece_rows():
+    """Flat is one collective through one NIC: its rows give the inter level. A pipelined row's phase clocks
+    also run while the other level works; poisoned here, they must not move the fit."""
+    truth = Model(Level(1e-3, 3e-9), Level(0, 8 / 500e6))
+    report = bench_report("2x4", truth, [2**20, 4 * 2**20, 16 * 2**20, 80 * 2**20])
+    for row in report["results"]:
+        if row["bytes"] > 4 * 2**20 and row["runs_as"] != "flat":
+            row["phases_s"] = {k: 10 * v for k, v in row["phases_s"].items()}
+    fitted = calibrate([report])
+    assert fitted.inter.beta_s_per_byte == pytest.approx(truth.inter.beta_s_per_byte, rel=1e-6)
+    assert fitted.intra.alpha_s == pytest.approx(truth.intra.alpha_s, rel=1e-6)
+    assert fitted.intra.beta_s_per_byte == pytest.approx(truth.intra.beta_s_per_byte, rel=1e-6)
+
+
+def test_as_benched_spreads_the_leaders_pieces_over_at_most_the_window_of_nics():
+    from hybrid.tools.costmodel import as_benched
+
+    model = Model(Level(0, 1e-9), Level(0, 1e-8))
+    report = {"testbed_nics_per_node": 4, "options": {"chunk_mb": 4.0}}
+    assert as_benched(model, report, 2**20).leader_nics == 1  # one piece: one collective, one NIC
+    assert as_benched(model, report, 64 * 2**20).leader_nics == 2  # PIPELINE_WINDOW pieces in flight
+    assert as_benched(model, report, 64 * 2**20).nics_per_node == 4
+    assert as_benched(model, report, 64 * 2**20).flat_channels == 1  # gloo: one collective on one NIC
+
+
+def test_check_compares_every_row_at_the_median_of_repeated_runs():
+    from hybrid.tools.costmodel import check
+
+    truth = Model(Level(1e-3, 3e-9), Level(0, 8 / 500e6))
+    sizes = [2**20, 16 * 2**20]
+    runs = [bench_report("2x4", truth, sizes, nics=2, scale=s) for s in (1.0, 1.2, 0.5)]
+    result = check(truth, runs + [bench_report("4x2", truth, sizes, scale=1.1)])
+    assert len(result["rows"]) == 2 * 2 * 3
+    for row in result["rows"]:
+        expected = 0.0 if row["layout"] == "2x4" else 1 / 1.1 - 1  # the median run is the unscaled one
+        assert row["runs"] == (3 if row["layout"] == "2x4" else 1)
+        assert row["error"] == pytest.approx(expected, abs=1e-9)
+    assert result["worst_abs_error"] == pytest.approx(1 - 1 / 1.1)
+    with pytest.raises(ValueError, match="no multi-node"):
+        check(truth, [bench_report("1x4", truth, sizes)])
+
+
+def test_cli_calibrates_on_one_bench_and_checks_others(tmp_path):
+    import json
+
+    truth = Model(Level(1e-3, 3e-9), Level(0, 8 / 500e6))
+    base, other = tmp_path / "2x4-1nic.json", tmp_path / "4x2-2nic.json"
+    base.write_text(json.dumps(bench_report("2x4", truth, [2**20, 4 * 2**20, 40 * 2**20])))
+    other.write_text(json.dumps(bench_report("4x2", truth, [2**20, 40 * 2**20], nics=2)))
+    out = subprocess.run([sys.executable, "-m", "hybrid.costmodel", "--calibrate", str(base), "--check", str(base),
+                          str(other), "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert len(result["rows"]) == 15 and result["worst_abs_error"] < 1e-6
+    assert {(r["layout"], r["nics_per_node"]) for r in result["rows"]} == {("2x4", 1), ("4x2", 2)}
+    bad = subprocess.run([sys.executable, "-m", "hybrid.costmodel", "--check", str(tmp_path / "none.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "none.json" in bad.stderr and len(bad.stderr.strip().splitlines()) <= 2

@@ -43,8 +43,10 @@ total becomes one piece through every phase plus (k - 1) pieces at the pace
 of the busier level, the usual pipeline bound (the reduce and the broadcast
 share the intra-node level, so they count together against the inter-node
 all-reduce); without it the phases add up. :func:`calibrate` fits alpha and beta per level from
-``hybrid.tools.bench`` JSON (least squares on per-phase times), so predictions for
-clusters nobody here has use figures measured on the testbed.
+``hybrid.bench`` JSON (relative least squares: the NIC from flat's single collective, the intra level
+from the phases of unpipelined rows), so predictions for clusters nobody here has use figures measured on
+the testbed; ``python -m hybrid.costmodel --calibrate A.json --check B.json ...`` compares the model
+with other bench runs (other layouts, other NIC counts), row by row.
 
 ``python -m hybrid.costmodel --layout 1024x8 --sizes 25M,1G`` prints predictions (:mod:`hybrid.tools.costmodel`).
 """
@@ -201,8 +203,14 @@ def predict_all(model: Model, layout: Layout, nbytes: float, chunk_bytes: float 
     return {alg: predict(model, alg, layout, nbytes, chunk_bytes)["total"] for alg in MODELLED_ALGORITHMS}
 
 
-def fit_level(points: list[tuple[float, float, float]]) -> Level:
-    """Least squares t = a * steps + b * bytes over (steps, bytes, seconds) points, a, b >= 0."""
+def fit_level(points: list[tuple[float, float, float]], relative: bool = False) -> Level:
+    """Least squares t = a * steps + b * bytes over (steps, bytes, seconds) points, a, b >= 0.
+
+    ``relative``: minimise each point's relative error instead of its absolute one, so a 1 MB message
+    counts as much as an 80 MB one (what "within 15%" asks of a model).
+    """
+    if relative:
+        points = [(s / t, b / t, 1.0) for s, b, t in points if t > 0]
     s_ss = sum(s * s for s, _, _ in points)
     s_bb = sum(b * b for _, b, _ in points)
     s_sb = sum(s * b for s, b, _ in points)
@@ -218,23 +226,42 @@ def fit_level(points: list[tuple[float, float, float]]) -> Level:
     return Level(alpha, max(beta, 0.0))
 
 
-def calibrate(reports: Iterable[dict[str, Any]], nics_per_node: int = 1) -> Model:
-    """Fit each level from the per-phase times of ``hierarchical`` rows in bench reports.
+def _one_piece(report: dict[str, Any], row: dict[str, Any]) -> bool:
+    """Whether ``row`` fit in one pipeline piece (the bench's ``--chunk-mb``), so its phases ran one after
+    another: pipelined, they overlap, and a phase's clock also runs while it waits for the other level."""
+    chunk = report.get("options", {}).get("chunk_mb")
+    return chunk is None or row["bytes"] <= chunk * 2**20
 
-    Intra: ``intra_reduce`` over g ranks, (g-1) steps, (g-1)/g S bytes.
-    Inter: ``inter_allreduce`` over n leaders, 2(n-1) steps, 2(n-1)/n S bytes.
+
+def calibrate(reports: Iterable[dict[str, Any]], nics_per_node: int = 1) -> Model:
+    """Fit each level from ``hybrid.bench`` reports (relative least squares: every size counts alike).
+
+    Inter (one NIC): from ``flat`` rows where there are any (one collective: a ring of N ranks through one
+    NIC, 2(N-1) steps of S/N bytes); otherwise from ``hierarchical``'s ``inter_allreduce`` (a ring of n
+    leaders, 2(n-1) steps of S/n).
+    Intra: ``hierarchical``'s ``intra_reduce`` over g ranks, (g-1) steps, (g-1)/g S bytes; ``sharded``'s
+    (a reduce-scatter) fits ``sharded_intra`` where there are two sizes of it.
+    Phases are taken only from rows of one pipeline piece (:func:`_one_piece`).
     """
     intra: list[tuple[float, float, float]] = []
-    inter: list[tuple[float, float, float]] = []
+    sharded_intra: list[tuple[float, float, float]] = []
+    inter_flat: list[tuple[float, float, float]] = []
+    inter_hier: list[tuple[float, float, float]] = []
     for report in reports:
         layout = Layout(tuple(report["node_sizes"]))
         n, g = layout.nnodes, layout.node_sizes[0]
         for row in report["results"]:
-            if row["runs_as"] != "hierarchical":
+            phases, size, runs_as = row.get("phases_s", {}), row["bytes"], row["runs_as"]
+            if runs_as == "flat" and n > 1 and "median_s" in row:
+                world = n * g
+                inter_flat.append((2 * (world - 1), 2 * (world - 1) / world * size, row["median_s"]))
+            if runs_as not in ("hierarchical", "sharded") or not _one_piece(report, row):
                 continue
-            phases, size = row["phases_s"], row["bytes"]
             if g > 1 and "intra_reduce" in phases:
-                intra.append((g - 1, (g - 1) / g * size, phases["intra_reduce"]))
-            if n > 1 and "inter_allreduce" in phases:
-                inter.append((2 * (n - 1), 2 * (n - 1) / n * size, phases["inter_allreduce"]))
-    return Model(fit_level(intra), fit_level(inter), nics_per_node)
+                target = intra if runs_as == "hierarchical" else sharded_intra
+                target.append((g - 1, (g - 1) / g * size, phases["intra_reduce"]))
+            if runs_as == "hierarchical" and n > 1 and "inter_allreduce" in phases:
+                inter_hier.append((2 * (n - 1), 2 * (n - 1) / n * size, phases["inter_allreduce"]))
+    inter = fit_level(inter_flat if len({b for _, b, _ in inter_flat}) >= 2 else inter_hier, relative=True)
+    shard = fit_level(sharded_intra, relative=True) if len({b for _, b, _ in sharded_intra}) >= 2 else None
+    return Model(fit_level(intra, relative=True), inter, nics_per_node, sharded_intra=shard)

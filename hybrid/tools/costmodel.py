@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -13,7 +16,7 @@ from hybrid.core.costmodel import MODELLED_ALGORITHMS, Level, Model, calibrate, 
 from hybrid.core.topology import Layout
 from hybrid.tools.units import human_size, parse_size
 
-__all__ = ["main", "predictions"]
+__all__ = ["check", "main", "predictions", "as_benched"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,7 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--leader-nics", type=int, default=1, help="NICs hierarchical's leader spreads over (default 1)")
     p.add_argument("--two-node-tree", action="store_true", help="flat on 2 nodes as NCCL's tree (S per NIC)")
     p.add_argument("--json", action="store_true", help="print JSON: per size and algorithm, seconds, algbw, busbw")
-    p.add_argument("--calibrate", nargs="+", metavar="BENCH_JSON", help="fit both levels from hybrid.tools.bench results")
+    p.add_argument("--calibrate", nargs="+", metavar="BENCH_JSON", help="fit both levels from hybrid.bench results")
+    p.add_argument("--check", nargs="+", metavar="BENCH_JSON",
+                   help="compare the model with hybrid.bench results (their layout, NICs and pipeline pieces): "
+                        "per row measured, predicted and error, the median of repeated runs of one configuration")
     return p
 
 
@@ -52,6 +58,61 @@ def predictions(model: Model, layout: Layout, sizes: list[int]) -> dict[str, Any
     return {"layout": str(layout), "world_size": world, "model": asdict(model), "predictions": rows}
 
 
+def as_benched(model: Model, report: dict[str, Any], nbytes: int) -> Model:
+    """``model`` as ``hybrid.bench`` ran on gloo in ``report``: its NICs per node, and the leader's pipeline
+    pieces in flight (up to ``PIPELINE_WINDOW``) each on a NIC of its own, gloo taking a group's NICs in turn."""
+    from hybrid.core.comm.base import PIPELINE_WINDOW  # imports torch: only when checking
+
+    nics = int(report.get("testbed_nics_per_node", 1))
+    chunk = report.get("options", {}).get("chunk_mb", 4.0) * 2**20
+    pieces = max(1, math.ceil(nbytes / chunk))
+    return replace(model, nics_per_node=nics, flat_channels=1, leader_nics=max(1, min(nics, PIPELINE_WINDOW, pieces)))
+
+
+def check(model: Model, reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every multi-node row of ``reports`` against the model's prediction (pipelined as the bench ran it).
+
+    Rows of one configuration (layout, NICs, algorithm, size) from repeated runs count once, at the median
+    of their medians. Errors are predicted / measured - 1."""
+    measured: dict[tuple, list[float]] = {}
+    context: dict[tuple, tuple[dict[str, Any], Layout]] = {}
+    for report in reports:
+        layout = Layout(tuple(report["node_sizes"]))
+        if layout.nnodes < 2:
+            continue
+        for row in report["results"]:
+            if row["runs_as"] not in MODELLED_ALGORITHMS:
+                continue
+            key = (str(layout), int(report.get("testbed_nics_per_node", 1)), row["runs_as"], row["bytes"])
+            measured.setdefault(key, []).append(row["median_s"])
+            context[key] = (report, layout)
+    rows = []
+    for key in sorted(measured):
+        layout_name, nics, algorithm, nbytes = key
+        report, layout = context[key]
+        chunk = report.get("options", {}).get("chunk_mb", 4.0) * 2**20
+        seconds = statistics.median(measured[key])
+        predicted = predict(as_benched(model, report, nbytes), algorithm, layout, nbytes, chunk)["total"]
+        rows.append({"layout": layout_name, "nics_per_node": nics, "algorithm": algorithm, "bytes": nbytes,
+                     "runs": len(measured[key]), "measured_s": seconds, "predicted_s": predicted,
+                     "error": predicted / seconds - 1})
+    if not rows:
+        raise ValueError("--check: no multi-node flat, hierarchical or sharded rows in these reports")
+    errors = [abs(r["error"]) for r in rows]
+    return {"model": asdict(model), "rows": rows,
+            "median_abs_error": statistics.median(errors), "worst_abs_error": max(errors)}
+
+
+def _print_check(result: dict[str, Any]) -> None:
+    print(f"{'layout':>7} {'NICs':>4} {'algorithm':>13} {'size':>6} {'runs':>4} {'measured ms':>11} "
+          f"{'model ms':>9} {'error':>7}")
+    for r in result["rows"]:
+        print(f"{r['layout']:>7} {r['nics_per_node']:>4} {r['algorithm']:>13} {human_size(r['bytes']):>6} "
+              f"{r['runs']:>4} {r['measured_s'] * 1e3:11.1f} {r['predicted_s'] * 1e3:9.1f} {r['error']:+7.1%}")
+    print(f"{len(result['rows'])} rows: median |error| {result['median_abs_error']:.1%}, "
+          f"worst {result['worst_abs_error']:.1%}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
@@ -67,8 +128,17 @@ def main(argv: list[str] | None = None) -> int:
                           Level.from_bandwidth(args.inter_alpha_us, args.inter_gbps), args.nics_per_node)
         model = replace(model, conn_gbps=args.conn_gbps, leader_nics=args.leader_nics,
                         flat_channels=args.flat_channels or model.nics_per_node, two_node_tree=args.two_node_tree)
+        checked = check(model, [json.loads(Path(f).read_text()) for f in args.check]) if args.check else None
     except (ValueError, OSError, KeyError) as exc:
-        p.error(str(exc))
+        print(f"{p.prog}: error: {exc}", file=sys.stderr)  # one line: the bad value, not the usage
+        return 2
+    if checked is not None:
+        if args.json:
+            print(json.dumps(checked, indent=2))
+        else:
+            print(f"model {json.dumps(asdict(model))}")
+            _print_check(checked)
+        return 0
     if args.json:
         print(json.dumps(predictions(model, layout, sizes), indent=2))
         return 0
