@@ -2,9 +2,9 @@
 # The cost model's testbed measurements (issue 18): 2x4 and 4x2, 1 and 2 NICs per node at 500 Mbit/s each,
 # flat / hierarchical / sharded, 1M-80M; three rounds, configurations taking turns in a rotating order, so a slow
 # spell of this shared 2-core machine lands on one round of some configurations, not on all rounds of one.
-# Then: python -m hybrid.costmodel --calibrate experiments/perf/costmodel/2x4-1nic-r*.json \
+# Then: python -m hybrid.costmodel --calibrate experiments/perf/costmodel/2x4-*-r*.json \
 #         --check experiments/perf/costmodel/*-r*.json
-# Needs root (the network testbed). About 18 minutes here.
+# Needs root (the network testbed). About 16 minutes here.
 set -euo pipefail
 out=${1:-experiments/perf/costmodel}
 rounds=${ROUNDS:-3}

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -119,7 +120,7 @@ def test_two_nodes_as_a_tree_send_s_not_two_n_minus_one_over_n_s():
 
 
 @pytest.mark.parametrize("key, value", [("nics_per_node", 0), ("flat_channels", 0), ("leader_nics", -1),
-                                        ("conn_gbps", 0.0)])
+                                        ("conn_gbps", 0.0), ("overlap", 1.5)])
 def test_bad_model_parameters_are_refused_by_name(key, value):
     with pytest.raises(ValueError, match=f"^{key}={value}"):
         Model(Level(0, 1e-9), Level(0, 1e-9), **{key: value})
@@ -222,3 +223,16 @@ def test_cli_calibrates_on_one_bench_and_checks_others(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hybrid.costmodel", "--check", str(tmp_path / "none.json")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "none.json" in bad.stderr and len(bad.stderr.strip().splitlines()) <= 2
+
+
+def test_calibration_fits_how_much_of_the_lesser_level_a_pipeline_hides():
+    """Pipelined totals of a cluster that hides 60% of the intra phases behind the NIC: the fit finds 0.6,
+    and predictions move from all-hidden towards phases-added accordingly."""
+    truth = Model(Level(1e-3, 4e-9), Level(0, 8 / 500e6), overlap=0.6)
+    fitted = calibrate([bench_report("2x4", truth, [2**20, 4 * 2**20, 16 * 2**20, 80 * 2**20])])
+    assert fitted.overlap == pytest.approx(0.6, abs=1e-6)
+    layout, size, chunk = Layout.parse("2x4"), 80 * 2**20, 4 * 2**20
+    hidden = predict(replace(truth, overlap=1.0), "hierarchical", layout, size, chunk)
+    added = predict(replace(truth, overlap=0.0), "hierarchical", layout, size, chunk)
+    assert added["total"] == pytest.approx(hidden["intra_reduce"] + hidden["inter_allreduce"] + hidden["intra_broadcast"])
+    assert hidden["total"] < predict(truth, "hierarchical", layout, size, chunk)["total"] < added["total"]

@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
                         "NCCL stripes its channels; 1 for gloo)")
     p.add_argument("--leader-nics", type=int, default=1, help="NICs hierarchical's leader spreads over (default 1)")
     p.add_argument("--two-node-tree", action="store_true", help="flat on 2 nodes as NCCL's tree (S per NIC)")
+    p.add_argument("--overlap", type=float, default=None,
+                   help="share of the lesser level a pipeline hides, 0..1 (default 1, or fitted by --calibrate)")
     p.add_argument("--json", action="store_true", help="print JSON: per size and algorithm, seconds, algbw, busbw")
     p.add_argument("--calibrate", nargs="+", metavar="BENCH_JSON", help="fit both levels from hybrid.bench results")
     p.add_argument("--check", nargs="+", metavar="BENCH_JSON",
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             model = Model(Level.from_bandwidth(args.intra_alpha_us, args.intra_gbps),
                           Level.from_bandwidth(args.inter_alpha_us, args.inter_gbps), args.nics_per_node)
         model = replace(model, conn_gbps=args.conn_gbps, leader_nics=args.leader_nics,
-                        flat_channels=args.flat_channels or model.nics_per_node, two_node_tree=args.two_node_tree)
+                        flat_channels=args.flat_channels or model.nics_per_node, two_node_tree=args.two_node_tree,
+                        overlap=model.overlap if args.overlap is None else args.overlap)
         checked = check(model, [json.loads(Path(f).read_text()) for f in args.check]) if args.check else None
     except (ValueError, OSError, KeyError) as exc:
         print(f"{p.prog}: error: {exc}", file=sys.stderr)  # one line: the bad value, not the usage
