@@ -238,3 +238,18 @@ def test_without_root_the_testbed_says_so(monkeypatch):
     with pytest.raises(testbed.TestbedError, match="needs root"):
         Testbed(2, LinkShape(100)).__enter__()
     assert ours() == []
+
+
+@needs_testbed
+def test_training_on_two_nics_per_node_and_a_degraded_node(tmp_path):
+    """The trainer's own path (Hydra keys to the testbed): two NICs per node, node 1 at a lower rate;
+    sharded trains over the cross groups spread on both NICs and the replicas end identical."""
+    out = subprocess.run(
+        [sys.executable, "-m", "hybrid.train", "cluster.testbed.enabled=true", "cluster.testbed.nics_per_node=2",
+         "cluster.testbed.link_mbit=[200,100]", "comm=sharded", "trainer.max_steps=3", "model.width=32",
+         "trainer.check_replicas_every=1", "hydra.run.dir=run"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["steps"] == 3 and metrics["world_size"] == 4 and metrics["param_checksums_identical"]
+    assert ours() == []
