@@ -15,7 +15,6 @@ from __future__ import annotations
 import glob
 import json
 import statistics
-from dataclasses import replace
 from pathlib import Path
 
 from hybrid.core.costmodel import Level, Model, calibrate, predict
