@@ -241,15 +241,46 @@ def test_without_root_the_testbed_says_so(monkeypatch):
 
 
 @needs_testbed
-def test_training_on_two_nics_per_node_and_a_degraded_node(tmp_path):
-    """The trainer's own path (Hydra keys to the testbed): two NICs per node, node 1 at a lower rate;
-    sharded trains over the cross groups spread on both NICs and the replicas end identical."""
-    out = subprocess.run(
-        [sys.executable, "-m", "hybrid.train", "cluster.testbed.enabled=true", "cluster.testbed.nics_per_node=2",
-         "cluster.testbed.link_mbit=[200,100]", "comm=sharded", "trainer.max_steps=3", "model.width=32",
-         "trainer.check_replicas_every=1", "hydra.run.dir=run"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_a_node_whose_links_go_down_is_left_behind_and_the_job_finishes_on_the_other(tmp_path):
+    """2x1 on the testbed with two NICs per node, node 1 at a lower rate (the trainer's own path through the
+    Hydra keys), cluster.min_nnodes=1: after the step-10 checkpoint node 1's NICs go down (``ip link set nicK
+    down`` in its namespace). Node 0's collectives time out (comm.timeout_s), its agent drops the silent node
+    and restarts its worker alone, which resumes and finishes; the run exits 0."""
+    import time
+
+    timeout_s = 8
+    run = subprocess.Popen(
+        [sys.executable, "-m", "hybrid.train", "cluster.testbed.enabled=true", "cluster.testbed.link_mbit=[500,200]",
+         "cluster.testbed.nics_per_node=2", "cluster.nnodes=2", "cluster.nproc_per_node=1", "cluster.min_nnodes=1", "cluster.max_restarts=2",
+         "cluster.rdzv_last_call_s=2", f"comm.timeout_s={timeout_s}", "trainer.max_steps=60",
+         "trainer.checkpoint_every=5", "trainer.log_every=50", "model.width=512", "data.num_samples=2048",
+         f"data.root={tmp_path / 'data'}", "hydra.run.dir=run"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in run.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "run" / "checkpoints" / "step-00000010.pt").exists():
+            assert run.poll() is None, f"the run ended before step 10: {run.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, "no step-10 checkpoint within 180 s"
+            time.sleep(0.05)  # polling a file the run writes, under a deadline
+        for nic in ("nic0", "nic1"):
+            subprocess.run(["ip", "netns", "exec", f"hybrid-{run.pid}-n1", "ip", "link", "set", nic, "down"],
+                           check=True, timeout=30)
+        down = time.monotonic()
+        err = run.stderr.read()
+        run.wait(timeout=300)
+        reader.join(timeout=30)
+    finally:
+        run.kill()
+    assert run.returncode == 0, err[-3000:]
+    resumed = [t for t, line in lines if line.startswith("resumed from step")]
+    assert resumed, [line for _, line in lines]
+    gap = resumed[-1] - down
+    print(f"link down -> training resumed on node 0: {gap:.1f} s (comm.timeout_s={timeout_s})")
+    assert gap < timeout_s + 60  # the timeout, then the rendezvous and the restart: no hang
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["steps"] == 3 and metrics["world_size"] == 4 and metrics["param_checksums_identical"]
+    assert metrics["steps"] == 60 and metrics["world_size"] == 1 and metrics["param_checksums_identical"]
+    assert [(m["nnodes"], m["why"]) for m in metrics["membership"]] == [(2, "start"), (1, "elastic restart 1")]
     assert ours() == []

@@ -118,6 +118,9 @@ BAD = [
      "cluster.testbed.link_mbit=[500, 100, 100] must be a rate > 0 (Mbit/s) or a list of 2 such rates, one per node"),
     (["cluster.testbed.link_mbit=fast"], "cluster.testbed.link_mbit='fast' must be a rate > 0"),
     (["cluster.testbed.nics_per_node=0"], "cluster.testbed.nics_per_node=0 must be in 1..8"),
+    (["cluster.min_nnodes=3"], "cluster.min_nnodes=3 must be in 1..cluster.nnodes=2 (0: all nodes are needed)"),
+    (["cluster.min_nnodes=1"], "cluster.min_nnodes=1 < cluster.nnodes=2 needs cluster.max_restarts >= 1"),
+    (["trainer.elastic_lr=double"], "trainer.elastic_lr='double' is not one of keep, scale"),
     (["comm=flat", "comm.inter_compression=bf16"],
      "comm.inter_compression='bf16' compresses the inter-node phase of hierarchical and sharded (and auto's choices of them); comm=flat has none"),
 ]
@@ -259,3 +262,9 @@ def test_torchrun_layout_conflicting_with_cluster_override_is_an_error(monkeypat
     with pytest.raises(ValueError, match=r"cluster.nnodes=3 conflicts with torchrun's nnodes \(2\)"):
         check_torchrun_layout(cfg, ["cluster.nnodes=3"])
     check_torchrun_layout(cfg, [])  # not overridden: torchrun's layout wins silently
+    # Elastic (--nnodes 2:3, cluster.min_nnodes=2): after a node is lost torchrun restarts with 2 nodes.
+    cfg.cluster.min_nnodes = 2
+    check_torchrun_layout(cfg, ["cluster.nnodes=3"])
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match=r"cluster.nnodes=3 conflicts with torchrun's nnodes \(1\)"):
+        check_torchrun_layout(cfg, ["cluster.nnodes=3"])

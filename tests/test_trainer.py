@@ -261,6 +261,54 @@ def test_batch_stream_restores_mid_epoch_exactly():
         assert torch.equal(next(resumed)[0], want)
 
 
+def _ids(stream: BatchStream) -> list[int]:
+    return next(stream)[0][:, 0].long().tolist()  # the dataset's first feature is the sample's index
+
+
+def _streams(data, world: int, batch: int = 2) -> list[BatchStream]:
+    return [BatchStream(data, batch, rank=r, world=world, seed=5, pin_memory=False, num_workers=0)
+            for r in range(world)]
+
+
+@pytest.mark.parametrize("new_world", [1, 2, 3, 5])
+def test_a_stream_resumed_on_another_world_size_reads_exactly_the_epochs_remaining_samples(new_world):
+    """4 workers read 3 global batches of an epoch of 48; resumed on another world size, the new workers
+    together read every remaining sample once (but the tail that no longer fills a global batch), and the
+    next epoch starts a new permutation."""
+    n, batch = 48, 2
+    data = ArrayDataset(np.repeat(np.arange(n, dtype=np.float32)[:, None], 2, axis=1), np.zeros(n, np.int64))
+    before = _streams(data, 4)
+    seen = [i for _ in range(3) for s in before for i in _ids(s)]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(5)).tolist()  # epoch 0's permutation
+    assert seen == order[:24]  # global batch k is the block order[8k : 8k + 8], rank by rank
+    after = _streams(data, new_world)
+    for s in after:
+        s.restore(before[0].state())
+    blocks = (n - 24) // (new_world * batch)
+    rest = [i for _ in range(blocks) for s in after for i in _ids(s)]
+    assert rest == order[24:24 + blocks * new_world * batch]
+    assert not set(rest) & set(seen) and len(set(rest)) == len(rest)
+    assert len(seen) + len(rest) >= n - new_world * batch + 1  # only a tail short of one global batch is left
+    assert after[0].state() == {"epoch": 0, "samples": 24 + blocks * new_world * batch}
+    _ids(after[0])
+    assert after[0].state()["epoch"] == 1
+
+
+def test_a_steps_samples_do_not_depend_on_how_its_global_batch_is_split():
+    """2x2 workers x 1 micro-batch and 1x2 workers x 2 micro-batches (grad_accum_steps) read the same 8
+    samples in each step: a world-size change with the same global batch trains on the same data."""
+    data = ArrayDataset(np.repeat(np.arange(40, dtype=np.float32)[:, None], 2, axis=1), np.zeros(40, np.int64))
+    four, two = _streams(data, 4), _streams(data, 2)
+    for _ in range(7):  # crosses an epoch (5 steps of 8 per epoch)
+        assert sorted(i for s in four for i in _ids(s)) == sorted(i for _ in range(2) for s in two for i in _ids(s))
+
+
+def test_a_data_position_from_an_older_hybrid_is_refused_by_name():
+    data = ArrayDataset(np.zeros((8, 2), np.float32), np.zeros(8, np.int64))
+    with pytest.raises(ValueError, match="older hybrid"):
+        _streams(data, 1)[0].restore({"epoch": 0, "batch": 3})
+
+
 def test_checkpoint_is_atomic_and_weights_only(tmp_path):
     save_checkpoint(tmp_path / "checkpoints", {"model": {"w": torch.ones(2)}, "step": 3}, 3)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [

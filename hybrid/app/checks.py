@@ -61,7 +61,10 @@ def check_torchrun_layout(cfg: TrainConfig, overrides: list[str]) -> None:
             )
     for key, value in actual.items():
         given = any(o.split("=", 1)[0].lstrip("+~") == f"cluster.{key}" for o in overrides)
-        if given and value is not None and int(value) != getattr(cfg.cluster, key):
+        want = getattr(cfg.cluster, key)
+        # Elastic (--nnodes MIN:MAX): after a node is lost torchrun restarts the workers with fewer nodes.
+        allowed = range(cfg.cluster.min_nnodes or want, want + 1) if key == "nnodes" else range(want, want + 1)
+        if given and value is not None and int(value) not in allowed:
             raise ValueError(
                 f"cluster.{key}={getattr(cfg.cluster, key)} conflicts with torchrun's {key} ({value}): "
                 "drop the override or change the torchrun arguments"

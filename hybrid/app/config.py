@@ -54,6 +54,7 @@ CONF_PACKAGE = "hybrid.conf"
 SCHEDULES = ("cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_ACTIONS = ("stop", "skip")
+ELASTIC_LR = ("keep", "scale")
 PRECISIONS = ("fp32", "bf16")
 INTRA_MODES = ("process", "thread")
 
@@ -81,6 +82,12 @@ class ClusterConfig:
     nproc_per_node: int = 2
     launch_timeout_s: float = 3600.0  # whole-job deadline of a local launch
     max_restarts: int = 0  # elastic restarts of a node's workers after a failure; they resume from the last checkpoint
+    # Elastic membership: the job goes on while at least this many nodes are left (torchrun's --nnodes MIN:MAX);
+    # 0: cluster.nnodes, every node is needed. The survivors re-rendezvous and resume from the last checkpoint.
+    min_nnodes: int = 0
+    # With min_nnodes < nnodes: how long a rendezvous that has its minimum waits for more nodes (torch's
+    # last_call_timeout); a node that is lost is declared dead after ~3 s without a heartbeat.
+    rdzv_last_call_s: int = 10
     # process: one process per device; thread: one process per node drives its nproc_per_node devices
     # (nn.DataParallel-style replicas in threads; hybrid.app.node_parallel)
     intra_mode: str = "process"
@@ -189,6 +196,9 @@ class TrainerConfig:
     nonfinite_grads: str = "stop"  # stop | skip: what a step with inf/NaN (averaged) gradients does
     precision: str = "fp32"  # fp32 | bf16: forward and loss under autocast; weights and averaged gradients stay fp32
     grad_clip_norm: float = 0.0  # >0: clip the averaged gradients to this global L2 norm (alike on every rank)
+    # After a resume on another world size the global batch changes with it: keep the learning rate, or
+    # scale it by new / old global batch (the linear scaling rule).
+    elastic_lr: str = "keep"
 
 
 @dataclass
@@ -292,6 +302,13 @@ def _validate_cluster(c: ClusterConfig) -> None:
         raise ValueError(f"cluster.rdzv_port={c.rdzv_port!r} must be 0 (derived from the Slurm job id) "
                          "or a port, 1-65535")
     _one_of("cluster.intra_mode", c.intra_mode, INTRA_MODES)
+    if not 0 <= c.min_nnodes <= c.nnodes:
+        raise ValueError(f"cluster.min_nnodes={c.min_nnodes!r} must be in 1..cluster.nnodes={c.nnodes} "
+                         "(0: all nodes are needed)")
+    if 0 < c.min_nnodes < c.nnodes and c.max_restarts < 1:
+        raise ValueError(f"cluster.min_nnodes={c.min_nnodes} < cluster.nnodes={c.nnodes} needs cluster.max_restarts "
+                         ">= 1: the nodes left restart their workers on the smaller membership")
+    _at_least("cluster.rdzv_last_call_s", c.rdzv_last_call_s, 1)
     rates = c.testbed.link_mbit
     listed = list(rates) if isinstance(rates, (list, tuple)) else [rates]
     if (len(listed) not in (1, c.nnodes)
@@ -358,3 +375,4 @@ def _validate_trainer(t: TrainerConfig) -> None:
     _one_of("trainer.nonfinite_grads", t.nonfinite_grads, NONFINITE_ACTIONS)
     _one_of("trainer.precision", t.precision, PRECISIONS)
     _at_least("trainer.grad_clip_norm", t.grad_clip_norm, 0)
+    _one_of("trainer.elastic_lr", t.elastic_lr, ELASTIC_LR)

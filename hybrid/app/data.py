@@ -1,10 +1,11 @@
-"""How each worker reads its mini-batches: a map-style dataset through DistributedSampler and a DataLoader.
+"""How each worker reads its mini-batches: a map-style dataset in one global order, through a DataLoader.
 
 Any map-style ``torch.utils.data.Dataset`` of ``(input, target)`` pairs will
 do (a user's own, built from ``data._target_``, or one of the shipped ones in
-:mod:`hybrid.app.datasets`). :class:`BatchStream` knows its (epoch, batch)
-position, so a run resumes mid-epoch on exactly the samples it would have
-read next.
+:mod:`hybrid.app.datasets`). :class:`BatchStream` knows its position as
+(epoch, samples consumed by all ranks), so a run resumes mid-epoch on exactly
+the samples it would have read next, on the same layout or another one
+(:class:`GlobalOrderSampler`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = ["ArrayDataset", "BatchStream", "ResumableDistributedSampler"]
+__all__ = ["ArrayDataset", "BatchStream", "GlobalOrderSampler"]
 
 
 class ArrayDataset(Dataset):
@@ -36,32 +37,53 @@ class ArrayDataset(Dataset):
         return x, y.long()
 
 
-class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler that can start part-way into an epoch (for exact resume)."""
+class GlobalOrderSampler(Sampler[int]):
+    """This rank's share of one global order of the samples, consumed a global batch at a time.
 
-    start = 0
+    Every epoch draws one permutation of all samples from ``seed + epoch`` (as DistributedSampler does).
+    Global batch k of the epoch is the block ``perm[k W B : (k + 1) W B]`` of W workers x B samples, and
+    rank r reads its slice ``[r B, (r + 1) B)`` of it. So where an epoch stands is one number, the samples
+    all ranks have consumed together, and it means the same on any world size: a run resumed on another
+    layout reads exactly the epoch's remaining samples, none twice, none skipped (but for the tail that
+    does not fill a whole global batch, dropped as ``drop_last`` does). With gradient accumulation a step
+    reads several global batches, so the samples of a step do not depend on how its global batch is split
+    into workers and micro-batches either.
+    """
 
-    def set_start(self, index: int) -> None:
-        self.start = index
+    def __init__(self, num_samples: int, world: int, rank: int, batch_size: int, seed: int) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in 0..{world - 1}")
+        self.num_samples, self.world, self.rank, self.batch_size, self.seed = num_samples, world, rank, batch_size, seed
+        self.epoch, self.start = 0, 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.world * self.batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def set_start(self, samples: int) -> None:
+        """Start the epoch after ``samples`` samples consumed by all ranks together."""
+        self.start = samples
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        return iter(indices[self.start :])
+        order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        for block in range(len(self) // self.batch_size):
+            first = self.start + block * self.global_batch + self.rank * self.batch_size
+            yield from order[first:first + self.batch_size].tolist()
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return (self.num_samples - self.start) // self.global_batch * self.batch_size
 
 
 class BatchStream:
-    """An endless stream of mini-batches that knows its (epoch, batch) position."""
+    """An endless stream of mini-batches that knows its position: (epoch, samples consumed in it by all ranks)."""
 
     def __init__(self, dataset: Dataset, batch_size: int, rank: int, world: int, seed: int,
                  pin_memory: bool, num_workers: int) -> None:
-        self.sampler = ResumableDistributedSampler(
-            dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
-        )
-        self.batches_per_epoch = self.sampler.num_samples // batch_size
-        if self.batches_per_epoch == 0:
+        self.sampler = GlobalOrderSampler(len(dataset), world, rank, batch_size, seed)
+        if len(dataset) < self.sampler.global_batch:
             raise ValueError(
                 f"data has {len(dataset)} samples: too few for {world} worker(s) x "
                 f"data.batch_size={batch_size}"
@@ -72,23 +94,27 @@ class BatchStream:
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True,
                                  pin_memory=pin_memory, num_workers=num_workers,
                                  generator=torch.Generator().manual_seed(seed + rank))
-        self.batch_size = batch_size
-        self.epoch, self.batch = 0, 0
+        self.batch_size, self.num_samples = batch_size, len(dataset)
+        self.epoch, self.samples = 0, 0
         self._iter: Iterator | None = None
 
     def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch": self.batch}
+        """Where the stream stands, the same on every rank and meaningful on any world size."""
+        return {"epoch": self.epoch, "samples": self.samples}
 
     def restore(self, state: dict[str, int]) -> None:
-        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+        if "samples" not in state:
+            raise ValueError(f"data position {state} is from an older hybrid (per-rank batches): it cannot be "
+                             "mapped onto the global sample order")
+        self.epoch, self.samples = int(state["epoch"]), int(state["samples"])
         self._iter = None
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.batch >= self.batches_per_epoch:
-            self.epoch, self.batch, self._iter = self.epoch + 1, 0, None
+        if self.samples + self.sampler.global_batch > self.num_samples:
+            self.epoch, self.samples, self._iter = self.epoch + 1, 0, None
         if self._iter is None:
             self.sampler.set_epoch(self.epoch)
-            self.sampler.set_start(self.batch * self.batch_size)
+            self.sampler.set_start(self.samples)
             self._iter = iter(self.loader)
-        self.batch += 1
+        self.samples += self.sampler.global_batch
         return next(self._iter)

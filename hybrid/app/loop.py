@@ -21,6 +21,7 @@ from hybrid.app.checkpoint import save_checkpoint
 from hybrid.app.components import Component
 from hybrid.app.config import TrainConfig, TrainerConfig
 from hybrid.app.data import BatchStream
+from hybrid.app.membership import RunLayout
 from hybrid.app.metrics import Metrics
 from hybrid.app.replicas import Replicas, check_replicas, grads_finite
 from hybrid.app.run_metrics import MetricsProcessor
@@ -64,11 +65,12 @@ def train_step(replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: 
 class Checkpointer:
     """Writes the run's checkpoints (rank 0), with every rank's error-feedback residuals gathered to it."""
 
-    def __init__(self, run_path: Path, trainer: TrainerConfig, model_config: Component, world_size: int,
-                 rank: int, feedback: error_feedback.ErrorFeedback | None) -> None:
+    def __init__(self, run_path: Path, trainer: TrainerConfig, model_config: Component, layout: RunLayout,
+                 membership: list[dict[str, Any]], rank: int, feedback: error_feedback.ErrorFeedback | None) -> None:
         self.directory, self.keep = run_path / "checkpoints", trainer.keep_checkpoints
-        self.meta = {"model_config": model_config.node, "world_size": world_size}
-        self.rank, self.feedback = rank, feedback
+        self.meta = {"model_config": model_config.node, "world_size": layout.world_size, "nnodes": layout.nnodes,
+                     "global_batch": layout.global_batch}
+        self.membership, self.rank, self.feedback = membership, rank, feedback
 
     def save(self, step: int, replicas: Replicas, optimizer: Any, scheduler: Any, stream: BatchStream) -> None:
         """Collective (the residuals' gather); only rank 0 writes."""
@@ -82,7 +84,7 @@ class Checkpointer:
         save_checkpoint(self.directory, {
             "model": replicas.module.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "step": step, "data": stream.state(),
-            "rng": torch.get_rng_state(), **self.meta, **extra,
+            "rng": torch.get_rng_state(), "membership": self.membership, **self.meta, **extra,
         }, step, keep=self.keep, meta=self.meta)
 
 
@@ -113,8 +115,8 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
                      ) -> dict[str, Any] | None:
     """What both modes do once their replicas are built: train from ``run.start_step`` with checkpoints and
     logging, then gather the run's result (rank 0 returns it and writes metrics.json; the others None)."""
-    processor = MetricsProcessor(cfg, topology, metrics, counters, comm)
-    checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, topology.world_size, rank, feedback)
+    processor = MetricsProcessor(cfg, topology, metrics, counters, comm, run.membership)
+    checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, run.layout, run.membership, rank, feedback)
     last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor, checkpointer,
                       run.start_step, cfg.comm.grad_as_bucket_view, device)
     return processor.finish(replicas.local_models(), replicas.module, last, device, run_path, rank)

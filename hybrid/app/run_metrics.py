@@ -86,8 +86,12 @@ class MetricsProcessor:
     """Per-step logging and the run's final result (see the module's docstring)."""
 
     def __init__(self, cfg: TrainConfig, topology: Topology, metrics: Metrics, counters: PhaseCounters,
-                 comm: Communicator | None = None) -> None:
+                 comm: Communicator | None = None, membership: list[dict[str, Any]] | None = None) -> None:
         self.cfg, self.topology, self.metrics, self.counters, self.comm = cfg, topology, metrics, counters, comm
+        self.membership = membership or []
+        for entry in self.membership:  # the layout history, on the step axis where each layout began
+            self.metrics.scalars(entry["step"], {"membership/world_size": float(entry["world_size"]),
+                                                 "membership/nnodes": float(entry["nnodes"])})
         self.samples_per_step = cfg.data.batch_size * cfg.trainer.grad_accum_steps * topology.world_size
         self.totals = {p: [0.0, 0] for p in PHASES}
         self.step_times: list[float] = []
@@ -137,7 +141,8 @@ class MetricsProcessor:
         all_checksums = [c for g in gathered for c in g[0]]
         result = {**self._run_facts(last), **self._speed(), "peak_rss_mb": [g[1] for g in gathered],
                   "param_checksum": checksums[0], "param_checksums_identical": len(set(all_checksums)) == 1,
-                  "param_bytes": param_bytes(leader), "device": str(device), "run_dir": str(run_path)}
+                  "param_bytes": param_bytes(leader), "device": str(device), "run_dir": str(run_path),
+                  "membership": self.membership}
         if isinstance(self.comm, AutoCommunicator):
             result["comm_auto"] = self.comm.report()
         self._log_hparams(result)

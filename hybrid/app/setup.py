@@ -23,6 +23,7 @@ from hybrid.app.components import Component, ComponentError, first_line
 from hybrid.app.config import DataConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
 from hybrid.app.data import BatchStream
 from hybrid.app.losses import LossFn, move_to
+from hybrid.app.membership import RunLayout, apply_lr_policy, describe_change, history_after_resume, start_history
 from hybrid.app.metrics import Metrics
 from hybrid.app.optim import build_optimizer, build_scheduler
 from hybrid.runtime.distributed import broadcast_from_rank0
@@ -100,23 +101,23 @@ def build_training(model_cfg: Component, optim: OptimConfig, trainer: TrainerCon
     return model, optimizer, scheduler
 
 
-def _check_resumable(state: dict[str, Any], model: Component, world: int, where: Path) -> None:
-    saved_model, saved_world = state.get("model_config"), state.get("world_size")
+def _check_resumable(state: dict[str, Any], model: Component, where: Path) -> None:
+    """The checkpoint must hold this model; any world size will do (see :mod:`hybrid.app.membership`)."""
+    saved_model = state.get("model_config")
     if saved_model != model.node:
         raise ValueError(f"trainer.resume={str(where)!r} holds model {saved_model}, this run has {model.node}")
-    if saved_world != world:
-        raise ValueError(f"trainer.resume={str(where)!r} was written by world size {saved_world}, this run has {world}")
 
 
-def restore_training(trainer: TrainerConfig, model_config: Component, run_path: Path, rank: int, world_size: int,
+def restore_training(trainer: TrainerConfig, model_config: Component, run_path: Path, rank: int, now: RunLayout,
                      metrics: Metrics, model: nn.Module, optimizer: Any, scheduler: Any,
                      streams: Sequence[BatchStream], residual_signature: dict[str, Any] | None = None,
-                     ) -> tuple[int, dict[str, Any] | None]:
+                     ) -> tuple[int, dict[str, Any] | None, list[dict[str, Any]]]:
     """Load ``trainer.resume``'s checkpoint (or, after an elastic restart, this run's last one) into these
-    objects; return the step to start at (0: a fresh run) and this rank's error-feedback residuals where
+    objects; return the step to start at (0: a fresh run), this rank's error-feedback residuals where
     the checkpoint has them for a run of signature ``residual_signature`` (see :mod:`hybrid.app.error_feedback`;
-    None: this run does not compress). Collective over the default group."""
-    start_step, mine = 0, None
+    None: this run does not compress), and the run's layout history. The checkpoint may come from another
+    layout (:mod:`hybrid.app.membership`). Collective over the default group."""
+    start_step, mine, history = 0, None, start_history(now)
     source = resume_target(trainer.resume, run_path)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
@@ -131,17 +132,23 @@ def restore_training(trainer: TrainerConfig, model_config: Component, run_path: 
         # Every rank's residuals stay on rank 0 until each gets only its own, below.
         saved_residuals = state.pop(error_feedback.CHECKPOINT_KEY, None) if state is not None else None
         state = broadcast_from_rank0(state)
-        _check_resumable(state, model_config, world_size, source)
+        _check_resumable(state, model_config, source)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        for stream in streams:  # every rank's stream stands at the same (epoch, batch)
+        for stream in streams:  # every rank's stream stands at the same (epoch, global sample)
             stream.restore(state["data"])
         torch.set_rng_state(state["rng"])
         start_step = int(state["step"])
+        why = f"elastic restart {restart}" if restart else f"resumed from {source}"
+        history, saved = history_after_resume(state, now, start_step, why)
+        if saved != now:
+            lr = apply_lr_policy(trainer.elastic_lr, saved, now, optimizer, scheduler)
+            dropped = "; error-feedback residuals of the old layout dropped" if residual_signature else ""
+            metrics.status(describe_change(saved, now, lr) + dropped)
         mine = error_feedback.restore_residuals(saved_residuals, residual_signature, metrics.status)
         metrics.status(f"resumed from step {start_step} of {source}")
-    return start_step, mine
+    return start_step, mine, history
 
 
 @dataclass
@@ -158,6 +165,8 @@ class Training:
     start_step: int
     residual_signature: dict[str, Any] | None
     residuals: dict[str, Any] | None
+    layout: RunLayout
+    membership: list[dict[str, Any]]  # the layout history, this run's last (see hybrid.app.membership)
 
 
 def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_sizes: Sequence[int],
@@ -172,6 +181,8 @@ def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_
                            pin_memory=device.type == "cuda", num_workers=cfg.data.num_workers)
                for rank in stream_ranks]
     signature = error_feedback.signature(cfg.comm, cfg.cluster.intra_mode, node_sizes)
-    start_step, residuals = restore_training(cfg.trainer, cfg.model, run_path, process_rank, world_size, metrics,
-                                             model, optimizer, scheduler, streams, signature)
-    return Training(dataset, model, loss_fn, optimizer, scheduler, streams, start_step, signature, residuals)
+    now = RunLayout(len(node_sizes), world_size, world_size * cfg.data.batch_size * cfg.trainer.grad_accum_steps)
+    start_step, residuals, history = restore_training(cfg.trainer, cfg.model, run_path, process_rank, now, metrics,
+                                                      model, optimizer, scheduler, streams, signature)
+    return Training(dataset, model, loss_fn, optimizer, scheduler, streams, start_step, signature, residuals, now,
+                    history)

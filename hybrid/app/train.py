@@ -34,14 +34,14 @@ def launch_job(settings: TrainConfig, entrypoint: Any, args: tuple) -> list[Any]
 
     One process per device, or one per node with ``cluster.intra_mode=thread`` (``process_layout``)."""
     tb = settings.cluster.testbed
-    restarts = settings.cluster.max_restarts
+    c = settings.cluster
+    elastic = {"max_restarts": c.max_restarts, "min_nnodes": c.min_nnodes or None, "last_call_s": c.rdzv_last_call_s}
     if not tb.enabled:
-        return launch_local(settings.process_layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s,
-                            max_restarts=restarts)
+        return launch_local(settings.process_layout, entrypoint, args, timeout_s=c.launch_timeout_s, **elastic)
     links = [LinkShape(rate, tb.burst_kb, tb.latency_ms) for rate in tb.rates(settings.cluster.nnodes)]
     with Testbed(settings.cluster.nnodes, links, tb.nics_per_node) as bed:
-        return launch_local(settings.process_layout, entrypoint, args, timeout_s=settings.cluster.launch_timeout_s,
-                            nodes=bed.nodes, max_restarts=restarts)
+        return launch_local(settings.process_layout, entrypoint, args, timeout_s=c.launch_timeout_s,
+                            nodes=bed.nodes, **elastic)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -63,8 +63,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         prepare(settings)
         # Processes per node as in launch_job: one per device, or one with cluster.intra_mode=thread.
         result = node.run(settings.process_layout.node_sizes[0], run_worker, (settings, str(run_dir)),
-                          timeout_s=settings.cluster.launch_timeout_s,
-                          max_restarts=settings.cluster.max_restarts).get(0)
+                          timeout_s=settings.cluster.launch_timeout_s, max_restarts=settings.cluster.max_restarts,
+                          min_nnodes=settings.cluster.min_nnodes or None,
+                          last_call_s=settings.cluster.rdzv_last_call_s).get(0)
     else:
         check_run_dir(run_dir, settings.trainer.resume)
         prepare(settings)

@@ -70,6 +70,8 @@ def run_node(
     max_restarts: int = 0,
     local_addr: str | None = None,
     bind_store: bool = True,
+    min_nnodes: int | None = None,
+    last_call_s: int = 10,
 ) -> dict[int, Any]:
     """Run this node's elastic agent and its workers; return the workers' results by global rank.
 
@@ -79,22 +81,29 @@ def run_node(
     without it torch's c10d rendezvous opens the store as under torchrun,
     on every interface. ``local_addr``: this node's address as the workers
     see it (``MASTER_ADDR`` when rank 0 is here); None: the hostname, as
-    torchrun does. A failed worker raises torch's ``ChildFailedError``.
+    torchrun does. A failed worker raises torch's ``ChildFailedError``. ``min_nnodes`` below ``nnodes``:
+    elastic membership (torchrun's ``--nnodes MIN:MAX``): the rendezvous completes with at least that many
+    nodes after waiting ``last_call_s`` for more, a node without a heartbeat for ~3 s is dropped, and a node
+    that (re)joins waits until the running agents see it and restart their workers on the larger membership.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # Kept alive (referenced) until the job ends.
     server = _store_on_node_address(rdzv_endpoint, timeout_s) if node_rank == 0 and bind_store else None
+    minimum = min_nnodes or nnodes
+    # Node 0 hosts the rendezvous store; the others connect to it (said explicitly: simulated
+    # nodes share one hostname, so torch's guess by hostname would make every node a host).
+    rdzv_configs: dict[str, Any] = {"is_host": node_rank == 0, "join_timeout": int(timeout_s)}
+    if minimum < nnodes:
+        rdzv_configs.update(last_call_timeout=int(last_call_s), keep_alive_interval=1, keep_alive_max_attempt=3)
     config = LaunchConfig(
-        min_nodes=nnodes,
+        min_nodes=minimum,
         max_nodes=nnodes,
         nproc_per_node=nproc_per_node,
         run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint=rdzv_endpoint,
-        # Node 0 hosts the rendezvous store; the others connect to it (said explicitly: simulated
-        # nodes share one hostname, so torch's guess by hostname would make every node a host).
-        rdzv_configs={"is_host": node_rank == 0, "join_timeout": int(timeout_s)},
+        rdzv_configs=rdzv_configs,
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
@@ -117,6 +126,7 @@ def run_agent(job_dir: Path, node: int) -> int:
             entrypoint, args, nnodes=meta["nnodes"], nproc_per_node=meta["node_sizes"][node], node_rank=node,
             run_id=meta["run_id"], rdzv_endpoint=meta["rdzv_endpoint"], timeout_s=meta["timeout_s"],
             max_restarts=int(meta.get("max_restarts", 0)), local_addr=meta["node_addresses"][node],
+            min_nnodes=meta.get("min_nnodes"), last_call_s=int(meta.get("last_call_s", 10)),
         )
         _write_result(job_dir, node, "ok", by_rank)
         return 0

@@ -91,6 +91,8 @@ def launch_local(
     env: dict[str, str] | None = None,
     nodes: Sequence[NodeNetwork] | None = None,
     max_restarts: int = 0,
+    min_nnodes: int | None = None,
+    last_call_s: int = 10,
 ) -> list[Any]:
     """Run ``entrypoint(*args)`` on every rank of ``layout``; return the results by rank.
 
@@ -99,6 +101,9 @@ def launch_local(
     (loopback unless ``nodes`` says otherwise). ``max_restarts``: how often
     each node's elastic agent restarts its workers after a failure (torchrun's
     ``--max-restarts``); the workers see ``TORCHELASTIC_RESTART_COUNT``.
+    ``min_nnodes`` (below the layout's nodes): elastic membership, torchrun's ``--nnodes MIN:MAX``: a lost
+    node (its agent gone) does not end the job while at least ``min_nnodes`` are left, and theirs are the
+    results. ``last_call_s``: how long a rendezvous that has its minimum waits for more nodes.
     """
     if max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts} must be >= 0")
@@ -107,7 +112,10 @@ def launch_local(
     nodes = list(nodes) if nodes is not None else [LOOPBACK] * layout.nnodes
     if len(nodes) != layout.nnodes:
         raise ValueError(f"{len(nodes)} node networks for a layout of {layout.nnodes} nodes")
-    job_dir = _write_job(layout, nodes, entrypoint, args, timeout_s, max_restarts)
+    minimum = min_nnodes or layout.nnodes
+    if not 1 <= minimum <= layout.nnodes:
+        raise ValueError(f"min_nnodes={min_nnodes} must be in 1..{layout.nnodes}")
+    job_dir = _write_job(layout, nodes, entrypoint, args, timeout_s, max_restarts, minimum, last_call_s)
     base_env = {**os.environ, **local_agent_env(layout.world_size), **(env or {})}
     agents: list[subprocess.Popen] = []
     try:
@@ -119,15 +127,15 @@ def launch_local(
                 [*node.prefix, sys.executable, "-m", "hybrid.runtime.agent", str(job_dir), str(i)],
                 env=node_env, start_new_session=True,  # its own process group: stoppable as a whole
             ))
-        _wait(agents, layout, timeout_s)
-        return _collect(job_dir, agents)
+        _wait(agents, layout, timeout_s, minimum)
+        return _collect(job_dir, agents, minimum)
     finally:
         _stop(agents)
         shutil.rmtree(job_dir, ignore_errors=True)
 
 
 def _write_job(layout: Layout, nodes: Sequence[NodeNetwork], entrypoint: Callable[..., Any], args: Sequence[Any],
-               timeout_s: float, max_restarts: int) -> Path:
+               timeout_s: float, max_restarts: int, min_nnodes: int, last_call_s: int) -> Path:
     """A fresh job folder with what every agent reads: the rendezvous and layout, and the pickled entry point."""
     port = free_port() if nodes[0] == LOOPBACK else _RDZV_PORT_IN_NAMESPACE
     job_dir = Path(tempfile.mkdtemp(prefix="hybrid-job-"))
@@ -140,14 +148,18 @@ def _write_job(layout: Layout, nodes: Sequence[NodeNetwork], entrypoint: Callabl
         "rdzv_endpoint": f"{nodes[0].address}:{port}",
         "timeout_s": timeout_s,
         "max_restarts": max_restarts,
+        "min_nnodes": min_nnodes,
+        "last_call_s": last_call_s,
     }
     (job_dir / "meta.json").write_text(json.dumps(meta))
     (job_dir / "job.pkl").write_bytes(pickle.dumps((entrypoint, tuple(args))))
     return job_dir
 
 
-def _collect(job_dir: Path, agents: list[subprocess.Popen]) -> list[Any]:
-    """Every node's results, by global rank; a :class:`LaunchError` naming each node that failed."""
+def _collect(job_dir: Path, agents: list[subprocess.Popen], min_nnodes: int | None = None) -> list[Any]:
+    """Every node's results, by global rank; a :class:`LaunchError` naming each node that failed. Elastic
+    (``min_nnodes`` below the node count): nodes lost on the way are reported, not fatal, when at least
+    ``min_nnodes`` finished; the results are theirs (the final membership's ranks)."""
     by_rank: dict[int, Any] = {}
     failures = []
     for i, agent in enumerate(agents):
@@ -156,8 +168,13 @@ def _collect(job_dir: Path, agents: list[subprocess.Popen]) -> list[Any]:
             failures.append((i, str(payload)))
         else:
             by_rank.update(payload)
-    if failures:
+    finished = len(agents) - len(failures)
+    if failures and not (min_nnodes and finished >= min_nnodes and by_rank):
         raise LaunchError(_describe(failures))
+    if failures:
+        lost = ", ".join(str(node) for node, _ in failures)
+        print(f"node(s) {lost} lost during the run; it finished on the other {finished} (elastic, min_nnodes="
+              f"{min_nnodes})", file=sys.stderr, flush=True)
     return [by_rank[rank] for rank in sorted(by_rank)]
 
 
@@ -186,15 +203,23 @@ def _describe(failures: list[tuple[int, str]]) -> str:
     return message
 
 
-def _wait(agents: list[subprocess.Popen], layout: Layout, timeout_s: float, grace_s: float = 10.0) -> None:
+def _wait(agents: list[subprocess.Popen], layout: Layout, timeout_s: float, min_nnodes: int | None = None,
+          grace_s: float = 10.0) -> None:
     """Until every agent exits. When one fails, the others get ``grace_s`` to fail on their own
-    (so their reports are read too), then the launcher stops them: they would only time out."""
+    (so their reports are read too), then the launcher stops them: they would only time out. Elastic
+    (``min_nnodes``): while at least that many agents have not failed, the job goes on without the others;
+    once one has finished, the job has (the last membership's agents finish together), and an agent still
+    running after ``grace_s`` is a lost node's (cut off from the rendezvous, say), stopped by the caller."""
     deadline = time.monotonic() + timeout_s
+    elastic = bool(min_nnodes) and min_nnodes < len(agents)
     while True:
         codes = [a.poll() for a in agents]
         if all(c is not None for c in codes):
             return
-        if any(c not in (None, 0) for c in codes):
+        if elastic and 0 in codes:
+            _wait_each(agents, time.monotonic() + grace_s)
+            return
+        if any(c not in (None, 0) for c in codes) and sum(c in (None, 0) for c in codes) < (min_nnodes or len(agents)):
             _wait_each(agents, time.monotonic() + grace_s)
             return  # the failed nodes' result files say why
         if time.monotonic() > deadline:

@@ -83,11 +83,14 @@ class SlurmNode:
         return f"{self.rdzv_host}:{self.port or rdzv_port(self.job_id)}"
 
     def run(self, nproc: int, entrypoint: Callable[..., Any], args: Sequence[Any], *,
-            timeout_s: float, max_restarts: int = 0) -> dict[int, Any]:
+            timeout_s: float, max_restarts: int = 0, min_nnodes: int | None = None,
+            last_call_s: int = 10) -> dict[int, Any]:
         """Run this node's agent and its ``nproc`` workers; their return values by global rank (this node's).
 
         ``timeout_s`` bounds the rendezvous: how long the first node waits for the last.
-        A failed worker raises torch's ``ChildFailedError``.
+        A failed worker raises torch's ``ChildFailedError``. ``min_nnodes``, ``last_call_s``: elastic
+        membership, as in :func:`hybrid.runtime.agent.run_node` (whether Slurm lets the other tasks run on
+        after one fails is Slurm's policy: ``srun --no-kill`` / ``--kill-on-bad-exit=0``).
         """
         from hybrid.runtime.agent import run_node
 
@@ -106,4 +109,5 @@ class SlurmNode:
             entrypoint, tuple(args), nnodes=self.nnodes, nproc_per_node=nproc, node_rank=self.rank,
             run_id=f"hybrid-{self.job_id}", rdzv_endpoint=self.rdzv_endpoint, timeout_s=timeout_s,
             max_restarts=max_restarts, local_addr=_LOCALHOST if self.local else None, bind_store=self.local,
+            min_nnodes=min_nnodes, last_call_s=last_call_s,
         )

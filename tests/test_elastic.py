@@ -1,0 +1,214 @@
+"""Resuming on another layout (issue 19): the data position in global samples, the learning-rate policy and
+the layout history, through the trainer's own per-rank loop, one launch per layout.
+
+A 2x2 run stops after 10 steps (global batch 4 x 8 = 32 of 256 samples: epoch 0 is 8 steps, so epoch 1 is
+2 steps in). It is resumed by hand on 1x2 with two micro-batches per step (the same global batch) and on
+3x1 (global batch 24). The samples each run trains on are recorded by the model itself
+(tests/id_components.py), so what is checked is what the trainer fed, not what a sampler promises.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import train_workers
+from once import once
+
+from hybrid.app.checks import check_components, compose_train_config
+from hybrid.runtime.launch import launch_local
+
+HERE = Path(__file__).parent
+ROOT = Path(tempfile.mkdtemp(prefix="hybrid-elastic-tests-"))
+N, BATCH = 256, 8
+COMMON = ["comm=hierarchical", "comm.timeout_s=120", "optim.lr=0.1", "trainer.log_every=10", "model.width=32",
+          "model.depth=2", "model._target_=id_components.RecordingMLP", "data._target_=id_components.IndexedVectors",
+          "data.kind=vectors", f"data.num_samples={N}", f"data.batch_size={BATCH}", f"data.root={ROOT / 'data'}"]
+RECORDS = ROOT / "records"  # a resumed run keeps the model config of the one it resumes, record dir included
+FIRST = ROOT / "2x2" / "first"
+PLANS = {
+    "2x2": [("straight", ["trainer.max_steps=20", f"+model.record_dir={ROOT / 'straight-records'}"]),
+            ("first", ["trainer.max_steps=20", "trainer.stop_after=10", f"+model.record_dir={RECORDS}"])],
+    "1x2": [("accum", ["trainer.max_steps=20", "trainer.grad_accum_steps=2", f"+model.record_dir={RECORDS}",
+                       f"trainer.resume={FIRST}"])],
+    "3x1": [("three", ["trainer.max_steps=18", "trainer.elastic_lr=scale", f"+model.record_dir={RECORDS}",
+                       f"trainer.resume={FIRST}"])],
+}
+
+
+def settings(layout: str, overrides: list[str]):
+    nnodes, nproc = map(int, layout.split("x"))
+    return compose_train_config([*COMMON, f"cluster.nnodes={nnodes}", f"cluster.nproc_per_node={nproc}", *overrides])
+
+
+@once
+def job(layout: str) -> dict:
+    if layout != "2x2":
+        job("2x2")  # the checkpoint the others resume
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    plan = [(name, settings(layout, overrides)) for name, overrides in PLANS[layout]]
+    check_components(plan[0][1])  # generates the data once, before the ranks start
+    return launch_local(plan[0][1].layout, train_workers.runs, (str(ROOT / layout), plan), timeout_s=300)[0]
+
+
+def batches(world: int) -> list[list[list[int]]]:
+    """Per rank of a run on ``world`` ranks, the index batches it trained on, in order. Each rank's first
+    forward, on the dataset's first samples before training (DDP settles its buckets), is not a step."""
+    out = []
+    for rank in range(world):
+        rows = [[int(i) for i in line.split()] for line in (RECORDS / f"w{world}-rank{rank}.txt").read_text().splitlines()]
+        assert rows[0] == list(range(BATCH)), rows[0]
+        out.append(rows[1:])
+    return out
+
+
+def checkpoint(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+
+
+def test_the_first_run_reads_one_global_order_a_global_batch_at_a_time():
+    job("2x2")
+    first = batches(4)
+    assert all(len(rows) == 10 for rows in first)
+    epoch0 = [i for step in range(8) for rows in first for i in rows[step]]
+    assert sorted(epoch0) == list(range(N))  # every sample once in epoch 0
+
+
+@pytest.mark.parametrize("layout, world, micro", [("3x1", 3, 1), ("1x2", 2, 2)])
+def test_a_resume_on_another_world_size_reads_exactly_the_epochs_remaining_samples(layout, world, micro):
+    job(layout)
+    before = batches(4)
+    seen_in_epoch1 = {i for rows in before for batch in rows[8:10] for i in batch}
+    assert len(seen_in_epoch1) == 2 * 4 * BATCH
+    after = batches(world)
+    per_step = world * micro * BATCH
+    steps_left = (N - len(seen_in_epoch1)) // per_step  # 192 / 24 = 8 on 3x1, 192 / 32 = 6 on 1x2
+    rest = [i for k in range(steps_left * micro) for rows in after for i in rows[k]]
+    assert len(rest) == len(set(rest)) == N - len(seen_in_epoch1)
+    assert set(rest) == set(range(N)) - seen_in_epoch1  # none twice, none skipped
+
+
+def test_the_same_global_batch_on_another_layout_continues_like_the_straight_run():
+    """1x2 with two micro-batches per step reads the same 32 samples per step as 2x2 did: resumed there at
+    step 10, it ends where the straight 2x2 run ends (float sums in another order: rtol 1e-5)."""
+    results = job("1x2")
+    straight, resumed = checkpoint(ROOT / "2x2" / "straight"), checkpoint(ROOT / "1x2" / "accum")
+    for key, tensor in straight["model"].items():
+        torch.testing.assert_close(resumed["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    assert results["accum"]["membership"] == [
+        {"step": 0, "nnodes": 2, "world_size": 4, "global_batch": 32, "why": "start"},
+        {"step": 10, "nnodes": 1, "world_size": 2, "global_batch": 32, "why": f"resumed from {FIRST}"}]
+    assert resumed["scheduler"]["base_lrs"] == straight["scheduler"]["base_lrs"]  # same global batch: lr kept
+
+
+def test_elastic_lr_scale_follows_the_global_batch_and_the_history_says_why():
+    results = job("3x1")
+    metrics = results["three"]
+    assert metrics["steps"] == 18 and metrics["world_size"] == 3 and metrics["param_checksums_identical"]
+    assert metrics["membership"][-1] == {"step": 10, "nnodes": 3, "world_size": 3, "global_batch": 24,
+                                         "why": f"resumed from {FIRST}"}
+    first, three = checkpoint(FIRST), checkpoint(ROOT / "3x1" / "three")
+    assert three["scheduler"]["base_lrs"] == pytest.approx([b * 24 / 32 for b in first["scheduler"]["base_lrs"]])
+    assert three["membership"] == metrics["membership"] and three["global_batch"] == 24
+
+
+class _Lines:
+    """A pipe read to the end by a thread, each line with the time it arrived (a full pipe would block the run)."""
+
+    def __init__(self, pipe) -> None:
+        import threading
+        import time
+
+        self.lines: list[tuple[float, str]] = []
+        self._thread = threading.Thread(target=lambda: self.lines.extend((time.monotonic(), line) for line in pipe),
+                                        daemon=True)
+        self._thread.start()
+
+    def join(self) -> list[tuple[float, str]]:
+        self._thread.join(timeout=60)
+        return self.lines
+
+
+def drained(run) -> tuple[_Lines, _Lines]:
+    return _Lines(run.stdout), _Lines(run.stderr)
+
+
+def _agent_of_node(node: int) -> int:
+    """The pid of the running local launch's elastic agent for ``node`` (``python -m hybrid.runtime.agent JOB N``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hybrid.runtime.agent" in argv and argv[-2:] == [str(node).encode(), b""]:
+            found.append(int(entry.name))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+# 3x2 with comm=hierarchical passes too (run by hand with this test, 44 s here); CI keeps the two that cover
+# every group kind between them (3x1: the leaders' group; 3x2 sharded: intra and cross groups) for its time.
+@pytest.mark.parametrize("nproc, comm", [(1, "hierarchical"), (2, "sharded")])
+def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membership(nproc, comm, tmp_path):
+    """3 nodes, cluster.min_nnodes=2: node 2's agent and its workers are SIGKILLed after the step-10
+    checkpoint. The other two re-rendezvous, rebuild their groups over two nodes, resume from the last
+    checkpoint on the smaller world and finish every step with identical replicas."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+
+    run = subprocess.Popen(
+        [sys.executable, "-m", "hybrid.train", "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}",
+         "cluster.min_nnodes=2", "cluster.max_restarts=2", "cluster.rdzv_last_call_s=2", f"comm={comm}",
+         "comm.timeout_s=60", "trainer.max_steps=60", "trainer.checkpoint_every=5", "trainer.log_every=50",
+         "model.width=512", "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = drained(run)
+    try:
+        deadline = time.monotonic() + 180
+        checkpoint = tmp_path / "run" / "checkpoints" / "step-00000010.pt"
+        while not checkpoint.exists():
+            assert run.poll() is None, "the run ended before step 10: " + "".join(line for _, line in err.lines)[-2000:]
+            assert time.monotonic() < deadline, "no step-10 checkpoint within 180 s"
+            time.sleep(0.05)  # polling a file the run writes, under a deadline
+        agent = _agent_of_node(2)
+        for pid in [agent, *_children(agent)]:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        run.wait(timeout=300)
+    finally:
+        run.kill()
+        run.wait(timeout=30)
+    errors = "".join(line for _, line in err.join())
+    assert run.returncode == 0, errors[-3000:]
+    assert "node(s) 2 lost during the run" in errors
+    resumed = [t for t, line in out.join() if line.startswith("resumed from step")]
+    print(f"node 2 killed -> training resumed on 2 nodes: {resumed[-1] - killed:.1f} s")
+    out = "".join(line for _, line in out.lines)
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["steps"] == 60 and metrics["world_size"] == 2 * nproc and metrics["nnodes"] == 2
+    assert metrics["param_checksums_identical"] and metrics["runs_as"] == comm
+    history = metrics["membership"]
+    assert [(m["nnodes"], m["world_size"]) for m in history] == [(3, 3 * nproc), (2, 2 * nproc)]
+    assert history[1]["why"] == "elastic restart 1" and 10 <= history[1]["step"] < 60
+    assert f"layout changed since the checkpoint: nnodes 3 -> 2, world size {3 * nproc} -> {2 * nproc}" in out
