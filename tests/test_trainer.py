@@ -303,10 +303,15 @@ def test_a_steps_samples_do_not_depend_on_how_its_global_batch_is_split():
         assert sorted(i for s in four for i in _ids(s)) == sorted(i for _ in range(2) for s in two for i in _ids(s))
 
 
-def test_a_data_position_from_an_older_hybrid_is_refused_by_name():
-    data = ArrayDataset(np.zeros((8, 2), np.float32), np.zeros(8, np.int64))
-    with pytest.raises(ValueError, match="older hybrid"):
-        _streams(data, 1)[0].restore({"epoch": 0, "batch": 3})
+def test_a_data_position_from_an_older_hybrid_continues_where_it_can_and_says_so():
+    """Older checkpoints kept (epoch, batch per rank) in DistributedSampler's order: the run goes on at the
+    same number of samples into the epoch, with a note that this epoch's rest is approximate."""
+    data = ArrayDataset(np.zeros((64, 2), np.float32), np.zeros(64, np.int64))
+    stream = _streams(data, 2)[0]
+    note = stream.restore({"epoch": 1, "batch": 3})
+    assert stream.state() == {"epoch": 1, "samples": 3 * 2 * 2}
+    assert "older hybrid" in note and "global sample 12 of epoch 1" in note
+    assert stream.restore({"epoch": 1, "samples": 12}) is None
 
 
 def test_checkpoint_is_atomic_and_weights_only(tmp_path):

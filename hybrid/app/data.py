@@ -102,12 +102,19 @@ class BatchStream:
         """Where the stream stands, the same on every rank and meaningful on any world size."""
         return {"epoch": self.epoch, "samples": self.samples}
 
-    def restore(self, state: dict[str, int]) -> None:
-        if "samples" not in state:
-            raise ValueError(f"data position {state} is from an older hybrid (per-rank batches): it cannot be "
-                             "mapped onto the global sample order")
-        self.epoch, self.samples = int(state["epoch"]), int(state["samples"])
+    def restore(self, state: dict[str, int]) -> str | None:
+        """Stand where ``state`` says; returns a note where that position can only be approximated."""
+        note = None
+        if "samples" in state:
+            samples = int(state["samples"])
+        else:  # an older hybrid's per-rank position (epoch, batch), in DistributedSampler's order
+            samples = int(state["batch"]) * self.sampler.global_batch
+            note = (f"data position {dict(state)} is from an older hybrid (per-rank batches in another sample "
+                    f"order): continuing at global sample {samples} of epoch {state['epoch']}; the rest of this "
+                    "epoch is not exactly the samples the old order had left, later epochs are whole")
+        self.epoch, self.samples = int(state["epoch"]), samples
         self._iter = None
+        return note
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.samples + self.sampler.global_batch > self.num_samples:

@@ -136,8 +136,9 @@ def restore_training(trainer: TrainerConfig, model_config: Component, run_path: 
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        for stream in streams:  # every rank's stream stands at the same (epoch, global sample)
-            stream.restore(state["data"])
+        notes = {stream.restore(state["data"]) for stream in streams}  # all at the same (epoch, global sample)
+        for note in sorted(n for n in notes if n):
+            metrics.status(note)
         torch.set_rng_state(state["rng"])
         start_step = int(state["step"])
         why = f"elastic restart {restart}" if restart else f"resumed from {source}"
