@@ -91,3 +91,23 @@ def test_agents_that_exit_between_two_looks_end_the_wait():
     agents = [_ExitsWhileLooked(), _ExitsWhileLooked()]
     _wait(agents, Layout.uniform(2, 1), timeout_s=5)  # returns, no StopIteration
     assert all(a.looks >= 2 for a in agents)
+
+
+def test_an_elastic_job_succeeds_only_with_every_rank_of_its_last_membership(tmp_path, capsys):
+    """Node 2 lost: the results of nodes 0 and 1 are the job's if they cover ranks 0..n-1; without rank 0's
+    (a survivor stopped late, say) the job fails, naming the lost node."""
+    import pickle
+    from types import SimpleNamespace
+
+    from hybrid.runtime.launch import LaunchError, _collect
+
+    agents = [SimpleNamespace(returncode=0), SimpleNamespace(returncode=0), SimpleNamespace(returncode=-9)]
+    for node, ranks in ((0, {0: "a"}), (1, {1: "b"})):
+        (tmp_path / f"result-{node}.pkl").write_bytes(pickle.dumps(("ok", ranks)))
+    assert _collect(tmp_path, agents, min_nnodes=2) == ["a", "b"]
+    assert "node(s) 2 lost during the run" in capsys.readouterr().err
+    with pytest.raises(LaunchError, match="node 2 failed"):
+        _collect(tmp_path, agents, min_nnodes=None)  # not elastic: a lost node fails the job
+    (tmp_path / "result-0.pkl").write_bytes(pickle.dumps(("ok", {})))
+    with pytest.raises(LaunchError, match="node 2 failed"):
+        _collect(tmp_path, agents, min_nnodes=2)  # rank 0 missing

@@ -252,6 +252,25 @@ def test_under_real_torchrun_two_agents_2x2_hierarchical(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "run"]
 
 
+def test_under_torchrun_an_elastic_run_needs_a_fixed_run_dir_and_a_restart_continues_it(monkeypatch, tmp_path):
+    """A torchrun restart re-runs main(): rank 0 must find this run's directory (not a new timestamped one) and
+    must not refuse it for holding a run: it is the run being continued."""
+    from hybrid.app.checks import precheck
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    elastic = ["cluster.min_nnodes=1", "cluster.max_restarts=1", "model.width=16", f"data.root={tmp_path / 'data'}"]
+    assert "needs hydra.run.dir" in precheck(elastic)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step-00000005.pt").write_bytes(b"x")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert "already holds a run" in precheck([*elastic, "hydra.run.dir=run"])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert precheck([*elastic, "hydra.run.dir=run"]) is None
+
+
 def test_torchrun_layout_conflicting_with_cluster_override_is_an_error(monkeypatch):
     from hybrid.app.checks import check_torchrun_layout
 

@@ -311,6 +311,8 @@ def test_a_data_position_from_an_older_hybrid_continues_where_it_can_and_says_so
     note = stream.restore({"epoch": 1, "batch": 3})
     assert stream.state() == {"epoch": 1, "samples": 3 * 2 * 2}
     assert "older hybrid" in note and "global sample 12 of epoch 1" in note
+    stream.restore({"epoch": 1, "batch": 3}, samples_per_batch=4 * 2)  # written by 4 workers of batch 2
+    assert stream.state() == {"epoch": 1, "samples": 24}
     assert stream.restore({"epoch": 1, "samples": 12}) is None
 
 

@@ -38,8 +38,9 @@ from hybrid.app.setup import build_loss, build_model, load_dataset, sample_batch
 from hybrid.runtime.slurm import in_submitit_task
 from hybrid.runtime.testbed import testbed_available
 
-__all__ = ["check_components", "check_devices", "compose_train_config", "check_resume", "check_run_dir", "check_testbed", "check_torchrun_layout",
-           "one_line_error", "precheck", "prepare", "settings_of", "split_config_dirs", "under_torchrun"]
+__all__ = ["check_components", "check_devices", "compose_train_config", "check_resume", "check_run_dir", "check_testbed",
+           "check_torchrun_layout", "one_line_error", "precheck", "prepare", "settings_of", "split_config_dirs",
+           "torchrun_restart", "under_torchrun"]
 
 # The schema every config and override is checked against (conf/config.yaml lists it in its defaults).
 ConfigStore.instance().store(name="train_schema", node=TrainSchema)
@@ -98,6 +99,12 @@ def _holds_something(path: Path) -> bool:
     """A file, or a directory with anything in it (an empty one, e.g. ``checkpoints`` linked to a bigger
     volume before the first run, holds no earlier run)."""
     return path.is_file() or (path.is_dir() and any(path.iterdir()))
+
+
+def torchrun_restart() -> int:
+    """Which restart of torchrun's workers this is (0: the first start). A restart continues its own run:
+    its run dir holds this run's checkpoints, which :func:`hybrid.app.setup.restore_training` resumes."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if under_torchrun() else 0
 
 
 def check_run_dir(run_dir: Path, resume: Any) -> None:
@@ -249,7 +256,10 @@ def precheck(argv: list[str], conf_dir: Path | None = None) -> str | None:
         if under_torchrun():
             check_torchrun_layout(settings, task)
         run_dir = hydra_overrides.get("hydra.run.dir")
-        if run_dir:
+        if under_torchrun() and settings.cluster.min_nnodes and not run_dir:
+            raise ValueError("cluster.min_nnodes under torchrun needs hydra.run.dir=<a fixed directory>: after a "
+                             "node is lost the restarted workers resume from that run's checkpoints")
+        if run_dir and not torchrun_restart():
             check_run_dir(Path(run_dir), settings.trainer.resume)
         check_resume(settings.trainer.resume, Path(run_dir) if run_dir else None, settings.model.node)
         prepare(settings)

@@ -84,6 +84,8 @@ class ClusterConfig:
     max_restarts: int = 0  # elastic restarts of a node's workers after a failure; they resume from the last checkpoint
     # Elastic membership: the job goes on while at least this many nodes are left (torchrun's --nnodes MIN:MAX);
     # 0: cluster.nnodes, every node is needed. The survivors re-rendezvous and resume from the last checkpoint.
+    # Not node 0: it hosts the rendezvous (README). A fresh job may also start on MIN nodes if the others join
+    # later than rdzv_last_call_s; they are taken in at the next membership change.
     min_nnodes: int = 0
     # With min_nnodes < nnodes: how long a rendezvous that has its minimum waits for more nodes (torch's
     # last_call_timeout); a node that is lost is declared dead after ~3 s without a heartbeat.
@@ -196,8 +198,8 @@ class TrainerConfig:
     nonfinite_grads: str = "stop"  # stop | skip: what a step with inf/NaN (averaged) gradients does
     precision: str = "fp32"  # fp32 | bf16: forward and loss under autocast; weights and averaged gradients stay fp32
     grad_clip_norm: float = 0.0  # >0: clip the averaged gradients to this global L2 norm (alike on every rank)
-    # After a resume on another world size the global batch changes with it: keep the learning rate, or
-    # scale it by new / old global batch (the linear scaling rule).
+    # When a resume changes the global batch (another world size; or data.batch_size / grad_accum_steps): keep
+    # the learning rate, or scale it by new / old global batch (the linear scaling rule).
     elastic_lr: str = "keep"
 
 

@@ -102,13 +102,15 @@ class BatchStream:
         """Where the stream stands, the same on every rank and meaningful on any world size."""
         return {"epoch": self.epoch, "samples": self.samples}
 
-    def restore(self, state: dict[str, int]) -> str | None:
-        """Stand where ``state`` says; returns a note where that position can only be approximated."""
+    def restore(self, state: dict[str, int], samples_per_batch: int | None = None) -> str | None:
+        """Stand where ``state`` says; returns a note where that position can only be approximated.
+        ``samples_per_batch``: for an older hybrid's per-rank position, the samples one of its batches took
+        from the epoch on the layout that wrote it (workers x batch size; default: this stream's)."""
         note = None
         if "samples" in state:
             samples = int(state["samples"])
         else:  # an older hybrid's per-rank position (epoch, batch), in DistributedSampler's order
-            samples = int(state["batch"]) * self.sampler.global_batch
+            samples = int(state["batch"]) * (samples_per_batch or self.sampler.global_batch)
             note = (f"data position {dict(state)} is from an older hybrid (per-rank batches in another sample "
                     f"order): continuing at global sample {samples} of epoch {state['epoch']}; the rest of this "
                     "epoch is not exactly the samples the old order had left, later epochs are whole")

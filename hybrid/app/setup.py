@@ -136,17 +136,18 @@ def restore_training(trainer: TrainerConfig, model_config: Component, run_path: 
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        notes = {stream.restore(state["data"]) for stream in streams}  # all at the same (epoch, global sample)
-        for note in sorted(n for n in notes if n):
-            metrics.status(note)
         torch.set_rng_state(state["rng"])
         start_step = int(state["step"])
         why = f"elastic restart {restart}" if restart else f"resumed from {source}"
         history, saved = history_after_resume(state, now, start_step, why)
+        # An older checkpoint's position counts its layout's batches: workers x the per-worker batch.
+        old_batch = saved.world_size * (now.global_batch // now.world_size // trainer.grad_accum_steps)
+        notes = {stream.restore(state["data"], old_batch) for stream in streams}  # all at one (epoch, sample)
+        for note in sorted(n for n in notes if n):
+            metrics.status(note)
         if saved != now:
             lr = apply_lr_policy(trainer.elastic_lr, saved, now, optimizer, scheduler)
-            dropped = "; error-feedback residuals of the old layout dropped" if residual_signature else ""
-            metrics.status(describe_change(saved, now, lr) + dropped)
+            metrics.status(describe_change(saved, now, lr))
         mine = error_feedback.restore_residuals(saved_residuals, residual_signature, metrics.status)
         metrics.status(f"resumed from step {start_step} of {source}")
     return start_step, mine, history

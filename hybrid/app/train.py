@@ -19,7 +19,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from hybrid.app.checks import check_run_dir, check_torchrun_layout, precheck, prepare, settings_of, under_torchrun
+from hybrid.app.checks import check_run_dir, check_torchrun_layout, precheck, prepare, settings_of, torchrun_restart, under_torchrun
 from hybrid.app.config import CONF_PACKAGE, TrainConfig
 from hybrid.app.trainer import run_worker
 from hybrid.runtime.launch import launch_local
@@ -51,7 +51,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     if under_torchrun():
         check_torchrun_layout(settings, list(hydra_cfg.overrides.task))
-        if os.environ.get("RANK") == "0":
+        if os.environ.get("RANK") == "0" and not torchrun_restart():
             check_run_dir(run_dir, settings.trainer.resume)
         result = run_worker(settings, str(run_dir) if os.environ.get("RANK") == "0" else None)
     elif in_submitit_task():

@@ -16,6 +16,8 @@ The entry point is a picklable function; each worker's return value comes
 back to the caller, ordered by global rank. Every wait is bounded: when one
 node fails, or the job outlives ``timeout_s``, every agent's process group
 (the agent and its workers) is stopped and :class:`LaunchError` says why.
+With elastic membership (``min_nnodes``) a lost node ends the job only when
+fewer than ``min_nnodes`` are left; the results are the last membership's.
 """
 
 from __future__ import annotations
@@ -169,7 +171,8 @@ def _collect(job_dir: Path, agents: list[subprocess.Popen], min_nnodes: int | No
         else:
             by_rank.update(payload)
     finished = len(agents) - len(failures)
-    if failures and not (min_nnodes and finished >= min_nnodes and by_rank):
+    complete = sorted(by_rank) == list(range(len(by_rank))) and bool(by_rank)  # every rank of one membership
+    if failures and not (min_nnodes and finished >= min_nnodes and complete):
         raise LaunchError(_describe(failures))
     if failures:
         lost = ", ".join(str(node) for node, _ in failures)
