@@ -25,7 +25,7 @@ from hybrid.core.comm.compression import INTER_COMPRESSIONS
 from hybrid.core.comm.groups import BACKENDS
 from hybrid.core.comm.registry import CHOOSABLE, COMPRESSIBLE
 from hybrid.core.topology import Layout
-from hybrid.runtime.testbed import MAX_NICS
+from hybrid.runtime.testbed import MAX_NICS, per_node_rates
 
 __all__ = [
     "COMM_ALGORITHMS",
@@ -71,9 +71,8 @@ class TestbedConfig:
     latency_ms: float = 50.0  # tbf queue limit
 
     def rates(self, nnodes: int) -> list[float]:
-        """One rate per node (validated: see ``_validate_cluster``)."""
-        rates = list(self.link_mbit) if isinstance(self.link_mbit, (list, tuple)) else [self.link_mbit]
-        return [float(r) for r in rates] * (nnodes if len(rates) == 1 else 1)
+        """One rate per node."""
+        return per_node_rates(self.link_mbit, nnodes)
 
 
 @dataclass
@@ -311,12 +310,10 @@ def _validate_cluster(c: ClusterConfig) -> None:
         raise ValueError(f"cluster.min_nnodes={c.min_nnodes} < cluster.nnodes={c.nnodes} needs cluster.max_restarts "
                          ">= 1: the nodes left restart their workers on the smaller membership")
     _at_least("cluster.rdzv_last_call_s", c.rdzv_last_call_s, 1)
-    rates = c.testbed.link_mbit
-    listed = list(rates) if isinstance(rates, (list, tuple)) else [rates]
-    if (len(listed) not in (1, c.nnodes)
-            or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in listed)):
-        raise ValueError(f"cluster.testbed.link_mbit={rates!r} must be a rate > 0 (Mbit/s) or a list of "
-                         f"{c.nnodes} such rates, one per node")
+    try:
+        c.testbed.rates(c.nnodes)
+    except ValueError as exc:
+        raise ValueError(f"cluster.testbed.link_mbit={exc}") from None
     if not 1 <= c.testbed.nics_per_node <= MAX_NICS:
         raise ValueError(f"cluster.testbed.nics_per_node={c.testbed.nics_per_node!r} must be in 1..{MAX_NICS}")
     _at_least("cluster.testbed.burst_kb", c.testbed.burst_kb, 0)

@@ -36,7 +36,7 @@ from typing import Sequence
 from hybrid.runtime.launch import NodeNetwork
 
 __all__ = ["MAX_NICS", "LinkShape", "Testbed", "TestbedError", "cleanup_leftovers", "nic_address", "nic_names",
-           "testbed_available"]
+           "per_node_rates", "testbed_available"]
 
 MAX_NICS = 8
 
@@ -44,6 +44,15 @@ MAX_NICS = 8
 def nic_address(node: int, nic: int) -> str:
     """NIC ``nic`` of node ``node``: 10.213.(57 + nic).(node + 1), a /24 per NIC index (a rail)."""
     return f"10.213.{57 + nic}.{node + 1}"
+
+
+def per_node_rates(rates: float | Sequence[float], nnodes: int) -> list[float]:
+    """One link rate (Mbit/s) per node from one rate for all or a list of one per node; ValueError otherwise."""
+    listed = list(rates) if isinstance(rates, (list, tuple)) else [rates]
+    if (len(listed) not in (1, nnodes)
+            or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in listed)):
+        raise ValueError(f"{rates!r} must be a rate > 0 (Mbit/s) or a list of {nnodes} such rates, one per node")
+    return [float(r) for r in listed] * (nnodes if len(listed) == 1 else 1)
 
 
 def nic_names(nics: int) -> list[str]:
@@ -160,11 +169,6 @@ class Testbed:
         self._host_ends = [[f"hyb{pid}n{i}" + ("" if k == 0 else chr(ord("a") + k)) for k in range(nics_per_node)]
                            for i in range(nnodes)]
         self._previous_sigterm: object = None
-
-    @property
-    def link(self) -> LinkShape:
-        """Node 0's link shape (all nodes' unless one rate per node was given)."""
-        return self.links[0]
 
     @property
     def nodes(self) -> list[NodeNetwork]:

@@ -42,6 +42,7 @@ from typing import Any
 
 from hybrid.app.metrics import write_json_atomic
 from hybrid.core.topology import Layout
+from hybrid.runtime.testbed import MAX_NICS, per_node_rates
 from hybrid.tools.units import human_size, parse_size
 
 __all__ = ["BenchOptions", "main", "run_bench"]
@@ -333,7 +334,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="run each node in its own network namespace behind NICs shaped to this many Mbit/s, or "
                         "one rate per node, comma-separated (needs root; default 0 = all nodes on loopback)")
     p.add_argument("--testbed-nics", type=int, default=1,
-                   help=f"NICs per node on the testbed, 1..{8} (default 1); gloo uses all of them")
+                   help=f"NICs per node on the testbed, 1..{MAX_NICS} (default 1); gloo uses all of them")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails (default 300)")
     p.add_argument("--output", default=None,
                    help="JSON results file (default: outputs/bench/<layout>-<date>-<time>.json, a new file each run)")
@@ -360,8 +361,8 @@ def _options(args: argparse.Namespace, p: argparse.ArgumentParser) -> BenchOptio
     if not args.chunk_mb > 0:
         p.error(f"--chunk-mb {args.chunk_mb} must be > 0")
     rates = testbed_rates(args.testbed_mbit, Layout.parse(layout).nnodes, p)
-    if not 1 <= args.testbed_nics <= 8:
-        p.error(f"--testbed-nics {args.testbed_nics} must be in 1..8")
+    if not 1 <= args.testbed_nics <= MAX_NICS:
+        p.error(f"--testbed-nics {args.testbed_nics} must be in 1..{MAX_NICS}")
     return BenchOptions(layout, sizes, algorithms, args.iters, args.warmup, args.dtype,
                         args.intra_backend, args.inter_backend, args.timeout, args.chunk_mb, rates, args.testbed_nics)
 
@@ -374,9 +375,10 @@ def testbed_rates(text: str, nnodes: int, p: argparse.ArgumentParser) -> list[fl
         p.error(f"--testbed-mbit {text!r}: give Mbit/s as a number, or one per node, comma-separated")
     if rates == [0.0] or not rates:
         return []
-    if any(not r > 0 for r in rates) or len(rates) not in (1, nnodes):
-        p.error(f"--testbed-mbit {text!r}: rates must be > 0, one for all {nnodes} nodes or one per node")
-    return rates * nnodes if len(rates) == 1 else rates
+    try:
+        return per_node_rates(rates, nnodes)
+    except ValueError as exc:
+        p.error(f"--testbed-mbit {text!r}: {exc}")
 
 
 def _default_output(layout: str) -> Path:
