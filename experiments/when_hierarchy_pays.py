@@ -17,7 +17,7 @@ import json
 import statistics
 from pathlib import Path
 
-from hybrid.core.costmodel import Level, Model, calibrate, predict
+from hybrid.core.costmodel import Level, Model, bench_chunk_bytes, calibrate, predict
 from hybrid.core.topology import Layout
 from hybrid.tools.costmodel import as_benched
 
@@ -52,7 +52,7 @@ def _testbed_panel(ax) -> None:
                 if not runs:
                     continue
                 m = as_benched(model, runs[0], size)
-                chunk = runs[0]["options"]["chunk_mb"] * 2**20
+                chunk = bench_chunk_bytes(runs[0])
                 predicted.append(predict(m, "flat", layout, size, chunk)["total"]
                                  / predict(m, alg, layout, size, chunk)["total"])
                 times = {a: statistics.median(row["median_s"] for r in runs for row in r["results"]

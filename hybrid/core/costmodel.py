@@ -59,7 +59,8 @@ from typing import Any, Iterable
 
 from hybrid.core.topology import Layout
 
-__all__ = ["MODELLED_ALGORITHMS", "Level", "Model", "calibrate", "fit_level", "fit_overlap", "predict", "predict_all"]
+__all__ = ["MODELLED_ALGORITHMS", "Level", "Model", "bench_chunk_bytes", "calibrate", "fit_level", "fit_overlap", "predict",
+           "predict_all"]
 
 MODELLED_ALGORITHMS = ("flat", "hierarchical", "sharded")
 
@@ -238,11 +239,18 @@ def fit_level(points: list[tuple[float, float, float]], relative: bool = False) 
     return Level(alpha, max(beta, 0.0))
 
 
+def bench_chunk_bytes(report: dict[str, Any]) -> float | None:
+    """The pipeline piece a ``hybrid.bench`` report ran with (its ``--chunk-mb``), bytes; None: not recorded,
+    taken as unpipelined."""
+    chunk_mb = report.get("options", {}).get("chunk_mb")
+    return None if chunk_mb is None else chunk_mb * 2**20
+
+
 def _one_piece(report: dict[str, Any], row: dict[str, Any]) -> bool:
-    """Whether ``row`` fit in one pipeline piece (the bench's ``--chunk-mb``), so its phases ran one after
-    another: pipelined, they overlap, and a phase's clock also runs while it waits for the other level."""
-    chunk = report.get("options", {}).get("chunk_mb")
-    return chunk is None or row["bytes"] <= chunk * 2**20
+    """Whether ``row`` fit in one pipeline piece, so its phases ran one after another: pipelined, they
+    overlap, and a phase's clock also runs while it waits for the other level."""
+    chunk = bench_chunk_bytes(report)
+    return chunk is None or row["bytes"] <= chunk
 
 
 def calibrate(reports: Iterable[dict[str, Any]], nics_per_node: int = 1) -> Model:
@@ -287,16 +295,16 @@ def fit_overlap(model: Model, reports: Iterable[dict[str, Any]]) -> float:
     level's time per piece, C the other's; linear in ``overlap``, so the fit is closed-form."""
     num = den = 0.0
     for report in reports:
-        chunk = report.get("options", {}).get("chunk_mb")
+        chunk = bench_chunk_bytes(report)
         if chunk is None or report.get("testbed_nics_per_node", 1) != model.nics_per_node:
             continue  # NICs the model does not price as the bench ran them (pieces spread over NICs)
         layout = Layout(tuple(report["node_sizes"]))
         for row in report["results"]:
             if row["runs_as"] not in ("hierarchical", "sharded") or _one_piece(report, row) or layout.nnodes < 2:
                 continue
-            pieces = math.ceil(row["bytes"] / (chunk * 2**20))
+            pieces = math.ceil(row["bytes"] / chunk)
             per_piece = predict(replace(model, overlap=1.0), row["runs_as"], layout, row["bytes"] / pieces)
-            hidden_all = predict(replace(model, overlap=1.0), row["runs_as"], layout, row["bytes"], chunk * 2**20)
+            hidden_all = predict(replace(model, overlap=1.0), row["runs_as"], layout, row["bytes"], chunk)
             lesser = min(per_piece["intra_reduce"] + per_piece["intra_broadcast"], per_piece["inter_allreduce"])
             u, v = hidden_all["total"] / row["median_s"], (pieces - 1) * lesser / row["median_s"]
             # predicted / measured = u + (1 - overlap) v: minimise the sum of (that - 1)^2 over overlap.

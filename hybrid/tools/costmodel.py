@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid.core import costmodel
-from hybrid.core.costmodel import MODELLED_ALGORITHMS, Level, Model, calibrate, predict, predict_all
+from hybrid.core.costmodel import MODELLED_ALGORITHMS, Level, Model, bench_chunk_bytes, calibrate, predict, predict_all
 from hybrid.core.topology import Layout
 from hybrid.tools.units import human_size, parse_size
 
@@ -66,8 +66,8 @@ def as_benched(model: Model, report: dict[str, Any], nbytes: int) -> Model:
     from hybrid.core.comm.base import PIPELINE_WINDOW  # imports torch: only when checking
 
     nics = int(report.get("testbed_nics_per_node", 1))
-    chunk = report.get("options", {}).get("chunk_mb", 4.0) * 2**20
-    pieces = max(1, math.ceil(nbytes / chunk))
+    chunk = bench_chunk_bytes(report)
+    pieces = max(1, math.ceil(nbytes / chunk)) if chunk else 1
     return replace(model, nics_per_node=nics, flat_channels=1, leader_nics=max(1, min(nics, PIPELINE_WINDOW, pieces)))
 
 
@@ -92,9 +92,9 @@ def check(model: Model, reports: list[dict[str, Any]]) -> dict[str, Any]:
     for key in sorted(measured):
         layout_name, nics, algorithm, nbytes = key
         report, layout = context[key]
-        chunk = report.get("options", {}).get("chunk_mb", 4.0) * 2**20
         seconds = statistics.median(measured[key])
-        predicted = predict(as_benched(model, report, nbytes), algorithm, layout, nbytes, chunk)["total"]
+        predicted = predict(as_benched(model, report, nbytes), algorithm, layout, nbytes,
+                            bench_chunk_bytes(report))["total"]
         rows.append({"layout": layout_name, "nics_per_node": nics, "algorithm": algorithm, "bytes": nbytes,
                      "runs": len(measured[key]), "measured_s": seconds, "predicted_s": predicted,
                      "error": predicted / seconds - 1})
