@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from hybrid.app.checks import check_run_dir, check_torchrun_layout, precheck, prepare, settings_of, torchrun_restart, under_torchrun
-from hybrid.app.config import CONF_PACKAGE, TrainConfig
+from hybrid.app.config import CONF_PACKAGE, ClusterConfig, TrainConfig
 from hybrid.app.trainer import run_worker
 from hybrid.runtime.launch import launch_local
 from hybrid.runtime.slurm import SlurmNode, in_submitit_task
@@ -33,15 +33,19 @@ def launch_job(settings: TrainConfig, entrypoint: Any, args: tuple) -> list[Any]
     """Launch the layout locally: on loopback, or one network namespace per node (testbed).
 
     One process per device, or one per node with ``cluster.intra_mode=thread`` (``process_layout``)."""
-    tb = settings.cluster.testbed
     c = settings.cluster
-    elastic = {"max_restarts": c.max_restarts, "min_nnodes": c.min_nnodes or None, "last_call_s": c.rdzv_last_call_s}
+    tb = c.testbed
     if not tb.enabled:
-        return launch_local(settings.process_layout, entrypoint, args, timeout_s=c.launch_timeout_s, **elastic)
-    links = [LinkShape(rate, tb.burst_kb, tb.latency_ms) for rate in tb.rates(settings.cluster.nnodes)]
-    with Testbed(settings.cluster.nnodes, links, tb.nics_per_node) as bed:
+        return launch_local(settings.process_layout, entrypoint, args, timeout_s=c.launch_timeout_s, **_elastic(c))
+    links = [LinkShape(rate, tb.burst_kb, tb.latency_ms) for rate in tb.rates(c.nnodes)]
+    with Testbed(c.nnodes, links, tb.nics_per_node) as bed:
         return launch_local(settings.process_layout, entrypoint, args, timeout_s=c.launch_timeout_s,
-                            nodes=bed.nodes, **elastic)
+                            nodes=bed.nodes, **_elastic(c))
+
+
+def _elastic(c: ClusterConfig) -> dict[str, Any]:
+    """What every node's elastic agent is told about restarts and membership, local or under Slurm."""
+    return {"max_restarts": c.max_restarts, "min_nnodes": c.min_nnodes or None, "last_call_s": c.rdzv_last_call_s}
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -63,9 +67,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         prepare(settings)
         # Processes per node as in launch_job: one per device, or one with cluster.intra_mode=thread.
         result = node.run(settings.process_layout.node_sizes[0], run_worker, (settings, str(run_dir)),
-                          timeout_s=settings.cluster.launch_timeout_s, max_restarts=settings.cluster.max_restarts,
-                          min_nnodes=settings.cluster.min_nnodes or None,
-                          last_call_s=settings.cluster.rdzv_last_call_s).get(0)
+                          timeout_s=settings.cluster.launch_timeout_s, **_elastic(settings.cluster)).get(0)
     else:
         check_run_dir(run_dir, settings.trainer.resume)
         prepare(settings)
