@@ -17,6 +17,7 @@ import pytest
 import torch
 import train_workers
 from once import once
+from test_reliability import Job, descendants
 
 from hybrid.app.checks import check_components, compose_train_config
 from hybrid.runtime.launch import launch_local
@@ -116,52 +117,18 @@ def test_elastic_lr_scale_follows_the_global_batch_and_the_history_says_why():
     assert three["membership"] == metrics["membership"] and three["global_batch"] == 24
 
 
-class _Lines:
-    """A pipe read to the end by a thread, each line with the time it arrived (a full pipe would block the run)."""
-
-    def __init__(self, pipe) -> None:
-        import threading
-        import time
-
-        self.lines: list[tuple[float, str]] = []
-        self._thread = threading.Thread(target=lambda: self.lines.extend((time.monotonic(), line) for line in pipe),
-                                        daemon=True)
-        self._thread.start()
-
-    def join(self) -> list[tuple[float, str]]:
-        self._thread.join(timeout=60)
-        return self.lines
-
-
-def drained(run) -> tuple[_Lines, _Lines]:
-    return _Lines(run.stdout), _Lines(run.stderr)
-
-
-def _agent_of_node(node: int) -> int:
-    """The pid of the running local launch's elastic agent for ``node`` (``python -m hybrid.runtime.agent JOB N``)."""
+def _agent_of_node(job: Job, node: int) -> int:
+    """The pid of ``job``'s elastic agent for ``node`` (``python -m hybrid.runtime.agent JOB_DIR NODE``)."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in descendants(job.proc.pid):
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if b"hybrid.runtime.agent" in argv and argv[-2:] == [str(node).encode(), b""]:
-            found.append(int(entry.name))
+            found.append(pid)
     assert len(found) == 1, found
     return found[0]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
 
 
 # 3x2 with comm=hierarchical passes too (run by hand with this test, 44 s here); CI keeps the two that cover
@@ -174,37 +141,22 @@ def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membersh
     import json
     import os
     import signal
-    import subprocess
     import time
 
-    run = subprocess.Popen(
-        [sys.executable, "-m", "hybrid.train", "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}",
-         "cluster.min_nnodes=2", "cluster.max_restarts=2", "cluster.rdzv_last_call_s=2", f"comm={comm}",
-         "comm.timeout_s=60", "trainer.max_steps=60", "trainer.checkpoint_every=5", "trainer.log_every=50",
-         "model.width=512", "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = drained(run)
-    try:
-        deadline = time.monotonic() + 180
-        checkpoint = tmp_path / "run" / "checkpoints" / "step-00000010.pt"
-        while not checkpoint.exists():
-            assert run.poll() is None, "the run ended before step 10: " + "".join(line for _, line in err.lines)[-2000:]
-            assert time.monotonic() < deadline, "no step-10 checkpoint within 180 s"
-            time.sleep(0.05)  # polling a file the run writes, under a deadline
-        agent = _agent_of_node(2)
-        for pid in [agent, *_children(agent)]:
-            os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        run.wait(timeout=300)
-    finally:
-        run.kill()
-        run.wait(timeout=30)
-    errors = "".join(line for _, line in err.join())
-    assert run.returncode == 0, errors[-3000:]
-    assert "node(s) 2 lost during the run" in errors
-    resumed = [t for t, line in out.join() if line.startswith("resumed from step")]
-    print(f"node 2 killed -> training resumed on 2 nodes: {resumed[-1] - killed:.1f} s")
-    out = "".join(line for _, line in out.lines)
+    job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
+              "cluster.max_restarts=2", "cluster.rdzv_last_call_s=2", f"comm={comm}", "comm.timeout_s=60",
+              "trainer.max_steps=60", "trainer.checkpoint_every=5", "trainer.log_every=1", "model.width=512",
+              "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
+    job.wait_for(r"^step 11/", timeout=180)  # rank 0 saved step 10's checkpoint before its step 11
+    agent = _agent_of_node(job, 2)
+    for pid in [agent, *descendants(agent)]:
+        os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    job.wait_for(r"^resumed from step", timeout=180)
+    print(f"node 2 killed -> training resumed on 2 nodes: {time.monotonic() - killed:.1f} s")
+    code, out, _ = job.finish(timeout=300)
+    assert code == 0, out[-3000:]
+    assert "node(s) 2 lost during the run" in out
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["steps"] == 60 and metrics["world_size"] == 2 * nproc and metrics["nnodes"] == 2
     assert metrics["param_checksums_identical"] and metrics["runs_as"] == comm
