@@ -248,7 +248,7 @@ def test_a_node_whose_link_goes_down_fails_the_job_within_the_timeout(tmp_path):
 
 
 def test_elastic_restart_resumes_and_ends_where_an_uninterrupted_run_ends(tmp_path):
-    common = [*SLOW, "trainer.max_steps=28", "trainer.checkpoint_every=5", "comm=sharded"]
+    common = [*SLOW, "trainer.max_steps=16", "trainer.checkpoint_every=5", "comm=sharded"]
     clean = subprocess.run([sys.executable, "-m", "hybrid.train", *common, f"hydra.run.dir={tmp_path / 'clean'}"],
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert clean.returncode == 0, clean.stderr[-2000:]
@@ -259,10 +259,10 @@ def test_elastic_restart_resumes_and_ends_where_an_uninterrupted_run_ends(tmp_pa
     assert code == 0, output[-3000:]
     # From step 5's checkpoint, or a later one where the kill landed late (a loaded machine).
     resumed = re.search(r"resumed from step (\d+)", output)
-    assert "restart 1: resuming" in output and resumed and int(resumed.group(1)) in (5, 10, 15, 20, 25), output[-3000:]
+    assert "restart 1: resuming" in output and resumed and int(resumed.group(1)) in (5, 10, 15), output[-3000:]
     want = json.loads((tmp_path / "clean" / "metrics.json").read_text())
     got = json.loads((tmp_path / "faulty" / "metrics.json").read_text())
-    assert got["steps"] == want["steps"] == 28
+    assert got["steps"] == want["steps"] == 16
     assert got["param_checksum"] == want["param_checksum"]  # bit-identical final parameters
 
 

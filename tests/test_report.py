@@ -79,3 +79,28 @@ def test_auto_jobs_are_set_against_the_fastest_fixed_algorithm(tmp_path):
     assert cells[2:] == [f"1048576:flat,{MB25}:hierarchical", "880.0", "sharded", "850.0", "1.035",
                          "400.0", "sharded", "350.0", "1.143"]
     assert "auto / best step time: worst 1.035" in report
+
+
+def _ranks(compute, comm_wait, step, exposed):
+    phases = {"flat_allreduce": 0.0, "intra_reduce": 0.0, "inter_allreduce": 0.0, "intra_broadcast": 0.0}
+    return [{"rank": r, "node": r // 2, "compute_s": compute, "comm_wait_s": comm_wait, "step_s": step,
+             "exposed_s": {**phases, **exposed}, "phase_s": {**phases, **exposed}} for r in range(4)]
+
+
+def test_the_breakdown_stacks_compute_exposed_phases_and_the_rest_per_comm(tmp_path):
+    make_job(tmp_path, 0, 2, 2, "hierarchical", {"inter_allreduce": 0.4}, step_s=0.9,
+             extra={"ranks": _ranks(0.5, 0.3, 0.9, {"inter_allreduce": 0.2, "intra_broadcast": 0.05})})
+    make_job(tmp_path, 1, 2, 2, "ddp", step_s=1.0, extra={"ranks": _ranks(0.6, 0.4, 1.0, {})})
+    make_job(tmp_path, 2, 2, 2, "flat", {"flat_allreduce": 0.5}, step_s=1.1)  # an older run: no accounts
+    out = subprocess.run([sys.executable, "-m", "hybrid.report", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = (tmp_path / "report.md").read_text()
+    table = report[report.index("## Where a step's time goes"):].splitlines()
+    rows = {line.split("|")[3].strip(): [c.strip() for c in line.split("|")[4:-1]] for line in table
+            if line.startswith("| mlp")}
+    # compute, flat / intra_reduce / inter / intra_broadcast exposed, comm_wait without a phase, other
+    assert rows["hierarchical"] == ["500.0", "0.0", "0.0", "200.0", "50.0", "50.0", "100.0"]
+    assert rows["ddp"] == ["600.0", "0.0", "0.0", "0.0", "0.0", "400.0", "0.0"]
+    assert "flat" not in rows
+    assert (tmp_path / "report_breakdown.png").stat().st_size > 1000

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import testbed_targets
@@ -254,7 +255,7 @@ def test_a_node_whose_links_go_down_is_left_behind_and_the_job_finishes_on_the_o
     job = Job(tmp_path, "cluster.testbed.enabled=true", "cluster.testbed.link_mbit=[500,200]",
               "cluster.testbed.nics_per_node=2", "cluster.nnodes=2", "cluster.nproc_per_node=1",
               "cluster.min_nnodes=1", "cluster.max_restarts=2", "cluster.rdzv_last_call_s=2",
-              f"comm.timeout_s={timeout_s}", "trainer.max_steps=60", "trainer.checkpoint_every=5", "trainer.log_every=1",
+              f"comm.timeout_s={timeout_s}", "trainer.max_steps=30", "trainer.checkpoint_every=5", "trainer.log_every=1",
               "model.width=512", "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
     job.wait_for(r"^step 11/", timeout=180)  # rank 0 saved step 10's checkpoint before its step 11
     for nic in ("nic0", "nic1"):
@@ -266,6 +267,52 @@ def test_a_node_whose_links_go_down_is_left_behind_and_the_job_finishes_on_the_o
     code, out, _ = job.finish(timeout=300)
     assert code == 0, out[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["steps"] == 60 and metrics["world_size"] == 1 and metrics["param_checksums_identical"]
+    assert metrics["steps"] == 30 and metrics["world_size"] == 1 and metrics["param_checksums_identical"]
     assert [(m["nnodes"], m["why"]) for m in metrics["membership"]] == [(2, "start"), (1, "elastic restart 1")]
     assert ours() == []
+
+
+STRAGGLER_RUN = ["cluster.testbed.enabled=true", "cluster.testbed.link_mbit=1000", "comm=hierarchical",
+                 "model.width=512", "model.depth=4", "data.batch_size=64", "data.num_samples=4096",
+                 "trainer.max_steps=16", "trainer.log_every=8", "trainer.straggler_steps=5"]
+
+
+@needs_testbed
+def test_a_node_given_a_quarter_of_the_cpu_is_named_the_slowest_and_equal_nodes_are_not(tmp_path):
+    """2x2 on the testbed, node 1's cgroup at a quarter of node 0's CPU (cluster.testbed.cpu_quota): metrics.json's
+    slowest_node is 1, for its compute, and a warning names it during training; with equal shares, nobody."""
+    runs = {}
+    for name, quota in (("slow", "[1.0,0.25]"), ("equal", "1.0")):
+        out = subprocess.run([sys.executable, "-m", "hybrid.train", *STRAGGLER_RUN, f"cluster.testbed.cpu_quota={quota}",
+                              f"data.root={tmp_path / 'data'}", f"hydra.run.dir={name}"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[name] = (out.stdout, json.loads((tmp_path / name / "metrics.json").read_text()))
+    stdout, slow = runs["slow"]
+    compute = {n: max(r["compute_s"] for r in slow["ranks"] if r["node"] == n) for n in (0, 1)}
+    print(f"compute per step, node 0 / node 1: {compute[0] * 1e3:.1f} / {compute[1] * 1e3:.1f} ms (quota 1 : 0.25)")
+    assert slow["slowest_node"] == 1, slow["slowest_node_detail"]
+    assert slow["slowest_node_detail"]["segment"] in ("forward", "backward")
+    assert "warning: node 1 is the slowest for 5 steps in a row" in stdout, stdout[-3000:]
+    stdout, equal = runs["equal"]
+    compute = {n: max(r["compute_s"] for r in equal["ranks"] if r["node"] == n) for n in (0, 1)}
+    print(f"equal shares: {compute[0] * 1e3:.1f} / {compute[1] * 1e3:.1f} ms")
+    assert equal["slowest_node"] is None, equal["slowest_node_detail"]
+    assert "is the slowest" not in stdout
+    assert ours() == [] and not list(Path("/sys/fs/cgroup/cpu").glob("hybrid-*"))
+
+
+@needs_testbed
+def test_the_link_probe_names_the_node_with_the_slow_nic(tmp_path):
+    """3x1, node 2's NIC at 100 Mbit/s and the others' at 500: the bench's link probe names node 2."""
+    out = subprocess.run(
+        [sys.executable, "-m", "hybrid.bench", "--layout", "3x1", "--sizes", "64K", "--algorithms", "flat",
+         "--iters", "1", "--warmup", "0", "--testbed-mbit", "500,500,100", "--probe-mb", "1",
+         "--output", str(tmp_path / "b.json")], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    probe = json.loads((tmp_path / "b.json").read_text())["link_probe"]
+    print("\n".join(probe["table"]))
+    assert probe["slow_nodes"] == [2]
+    assert "slow: node(s) 2" in out.stdout
+    best = probe["best_gbps"]
+    assert best[2] < 0.12 and min(best[0], best[1]) > 0.3  # 100 and 500 Mbit/s links, as measured

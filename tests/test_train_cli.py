@@ -121,6 +121,11 @@ BAD = [
     (["cluster.min_nnodes=3"], "cluster.min_nnodes=3 must be in 1..cluster.nnodes=2 (0: all nodes are needed)"),
     (["cluster.min_nnodes=1"], "cluster.min_nnodes=1 < cluster.nnodes=2 needs cluster.max_restarts >= 1"),
     (["trainer.elastic_lr=double"], "trainer.elastic_lr='double' is not one of keep, scale"),
+    (["trainer.timeline_steps=[5,3]"], "trainer.timeline_steps=[5, 3] must be [first, last]: steps, 1 <= first <= last"),
+    (["trainer.straggler_steps=0"], "trainer.straggler_steps=0 must be >= 1"),
+    (["cluster.testbed.cpu_quota=[1,0.25,1]"], "cluster.testbed.cpu_quota=[1, 0.25, 1] must be a number of CPUs in"),
+    (["cluster.testbed.cpu_quota=0.5"], "cluster.testbed.cpu_quota=0.5 limits the testbed's nodes: set "
+                                        "cluster.testbed.enabled=true too"),
     (["comm=flat", "comm.inter_compression=bf16"],
      "comm.inter_compression='bf16' compresses the inter-node phase of hierarchical and sharded (and auto's choices of them); comm=flat has none"),
 ]

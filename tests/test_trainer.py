@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import tempfile
@@ -60,6 +61,9 @@ PLANS = {
         ("clip-hierarchical", ["comm=hierarchical", "trainer.grad_clip_norm=0.05"]),
         ("bf16-ddp", ["comm=ddp", "trainer.precision=bf16"]),
         ("bf16-sharded", ["comm=sharded", "comm.find_unused_parameters=true", "trainer.precision=bf16"]),
+        # timeline.json of steps 3..6 (issue 20), and of the default window with flat's buckets in flight at once.
+        ("timeline-hierarchical", ["comm=hierarchical", "trainer.timeline=true", "trainer.timeline_steps=[3,6]"]),
+        ("timeline-flat", ["comm=flat", "trainer.timeline=true"]),
     ] + [(f"gpt2-{c}", [f"comm={c}", *GPT2_ON_TEXT]) for c in ("ddp", "hierarchical", "sharded")]
       + [(f"mine-{c}", [f"comm={c}", *MINE]) for c in COMMS]
       + [("mine-hierarchical-resumed", ["comm=hierarchical", *MINE, *extra])
@@ -117,6 +121,54 @@ def test_hybrid_comms_match_plain_ddp_and_replicas_are_identical(layout):
     assert results["hierarchical"]["bytes"]["inter_allreduce"] > 0
     assert results["flat"]["bytes"]["flat_allreduce"] > 0
     assert results["ddp"]["comm_s"]["inter_allreduce"] == 0
+
+
+@pytest.mark.parametrize("name, phases", [("timeline-hierarchical", ["intra_reduce", "inter_allreduce", "intra_broadcast"]),
+                                          ("timeline-flat", ["flat_allreduce"])])
+def test_the_timeline_holds_every_rank_and_phase_and_its_spans_add_up_to_the_counters(name, phases):
+    """One Chrome trace for the run: a process per node, spans of all 4 ranks for the window's steps, the loop's parts
+    and every phase of the algorithm, each rank's phase spans summing to its phase counters over the window."""
+    root, results = job("2x2")
+    trace = json.loads((root / name / "timeline.json").read_text())
+    meta = trace["otherData"]
+    first, last = meta["steps"]
+    assert (first, last) == ((3, 6) if name == "timeline-hierarchical" else (3, 5))
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["rank"] for e in spans} == {0, 1, 2, 3}
+    assert {e["pid"] for e in spans} == {0, 1}  # a process per node
+    assert {e["args"]["step"] for e in spans} == set(range(first, last + 1))
+    for rank in range(4):
+        mine = [e for e in spans if e["args"]["rank"] == rank]
+        assert {"data", "forward", "backward", "optimizer"} <= {e["name"] for e in mine}, rank
+        comm = [e for e in mine if e["cat"] == "comm"]
+        assert all(e["args"]["bytes"] >= 0 and e["args"]["bucket_bytes"] > 0 for e in comm)
+        spanned = sum(e["dur"] for e in comm) / 1e6
+        counted = sum(meta["counters_s"][str(rank)].values())
+        assert counted > 0 and abs(spanned - counted) <= 0.1 * counted, (rank, spanned, counted)
+        clock = meta["clock"][str(rank)]
+        assert abs(clock["offset_us"]) <= clock["error_bound_us"] + 1e-3  # one machine: the true offset is 0
+    seen = {e["name"] for e in spans if e["cat"] == "comm"}
+    assert seen == set(phases)
+    # Every rank's loop spans lie within the window on rank 0's clock (the earliest span starts at 0).
+    assert min(e["ts"] for e in spans) == 0
+    assert results[name]["param_checksums_identical"]
+
+
+def test_metrics_account_every_ranks_step_and_name_no_slowest_node_without_a_margin():
+    _, results = job("2x2")
+    for comm in COMMS:
+        metrics = results[comm]
+        ranks = metrics["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1, 2, 3] and [r["node"] for r in ranks] == [0, 0, 1, 1]
+        for r in ranks:
+            assert r["steps"] == 19  # step 1 (warm-up) left out
+            parts = r["data_s"] + r["forward_s"] + r["backward_s"] + r["comm_wait_s"] + r["optimizer_s"]
+            assert 0 < r["compute_s"] <= parts <= r["step_s"] * 1.1, r  # medians of parts, so not exactly additive
+            assert set(r["phase_s"]) == set(r["exposed_s"])
+            assert all(r["exposed_s"][p] <= r["phase_s"][p] + 1e-9 for p in r["phase_s"])
+        assert "slowest_node" in metrics and metrics["straggler_margin"] == 0.25
+        if metrics["slowest_node"] is not None:  # a loaded CI machine may slow one node's ranks
+            assert metrics["slowest_node_detail"]["ratio"] > 1.25
 
 
 @pytest.mark.parametrize("name", ["hierarchical+bf16", "sharded+fp16"])

@@ -276,22 +276,32 @@ def case_bad_layout(topo: Topology, groups: CommGroups, params: dict) -> str:
 def case_timeout(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
     """The last rank never joins; everyone else must get an error, not a hang.
 
-    Runs last in a job: it leaves the groups it broke behind.
+    Every algorithm on groups of its own, all three at once (one thread each; separate groups are separate
+    transports), so the case waits out the timeouts once rather than three times. Runs last in a job: it leaves
+    the groups it broke behind.
     """
+    import threading
+
     timeout_s = params.get("comm_timeout_s", 2.0)
     silent = topo.world_size - 1
+    comms = {alg: make_communicator(alg, CommGroups.build(topo, timeout_s=timeout_s)) for alg in ALGORITHM_CLASSES}
     out: dict[str, Any] = {}
-    for alg in ALGORITHM_CLASSES:
-        fresh = CommGroups.build(topo, timeout_s=timeout_s)
-        comm = make_communicator(alg, fresh)
-        if topo.rank != silent:
-            start = time.monotonic()
-            try:
-                comm.all_reduce_mean_(torch.ones(1000))
-                out[alg] = {"raised": False}
-            except CommError as exc:
-                out[alg] = {"raised": True, "elapsed": time.monotonic() - start, "message": str(exc)}
-        dist.barrier()  # default group: meets again once the others have given up
+
+    def attempt(alg: str) -> None:
+        start = time.monotonic()
+        try:
+            comms[alg].all_reduce_mean_(torch.ones(1000))
+            out[alg] = {"raised": False}
+        except CommError as exc:
+            out[alg] = {"raised": True, "elapsed": time.monotonic() - start, "message": str(exc)}
+
+    if topo.rank != silent:
+        threads = [threading.Thread(target=attempt, args=(alg,)) for alg in comms]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(4 * timeout_s + 30)
+    dist.barrier()  # default group: meets again once the others have given up
     return out
 
 
@@ -468,6 +478,48 @@ def case_overlap(topo: Topology, groups: CommGroups, params: dict) -> dict[str, 
     return out
 
 
+def case_clock(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
+    """Clock alignment to rank 0: as measured (all ranks share this machine's clock: the true offset is 0), and
+    with rank 1's clock made to run 5 s ahead (the true offset is then -5 s)."""
+    import types
+
+    from hybrid.core import clock
+
+    same = clock.align_to_rank0()
+    real = time.perf_counter
+    shifted = 5.0 if topo.rank == 1 else 0.0
+    clock.time = types.SimpleNamespace(perf_counter=lambda: real() + shifted)  # what align_to_rank0 reads
+    try:
+        ahead = clock.align_to_rank0()
+    finally:
+        clock.time = time
+    return {"offset_s": same.offset_s, "error_s": same.error_s, "ahead_offset_s": ahead.offset_s,
+            "ahead_error_s": ahead.error_s}
+
+
+def case_profiler(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
+    """Under a user's torch.profiler, every algorithm's phases show up as hybrid::<phase> ranges (the DDP hook's
+    flat path as one range per bucket, issue to completion; the others' phases run on the communication thread,
+    which the profiler records with profile_all_threads)."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    names: dict[str, list[str]] = {}
+    for alg in ("flat", "hierarchical", "sharded"):
+        comm = make_communicator(alg, groups)
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 4)), bucket_cap_mb=0.001)
+        hook = register_comm_hook(model, comm)
+        try:
+            with profile(activities=[ProfilerActivity.CPU],
+                         experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+                model(torch.randn(8, 32)).sum().backward()
+        finally:
+            hook.close()
+        names[alg] = sorted({e.key for e in prof.key_averages() if e.key.startswith("hybrid::")})
+    return names
+
+
 CASES: dict[str, Callable[[Topology, CommGroups, dict], Any]] = {
     "auto": case_auto,
     "compression": case_compression,
@@ -478,6 +530,8 @@ CASES: dict[str, Callable[[Topology, CommGroups, dict], Any]] = {
     "overlap": case_overlap,
     "bad_layout": case_bad_layout,
     "timeout": case_timeout,
+    "clock": case_clock,
+    "profiler": case_profiler,
 }
 
 

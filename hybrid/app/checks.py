@@ -35,6 +35,7 @@ from hybrid.app.config import (
 from hybrid.app.losses import batch_loss
 from hybrid.app.optim import check_optimizer
 from hybrid.app.setup import build_loss, build_model, load_dataset, sample_batch
+from hybrid.runtime.cpu_limit import CpuLimitError, cgroup_root
 from hybrid.runtime.slurm import in_submitit_task
 from hybrid.runtime.testbed import testbed_available
 
@@ -74,6 +75,9 @@ def check_torchrun_layout(cfg: TrainConfig, overrides: list[str]) -> None:
 
 def check_testbed(cfg: TrainConfig) -> None:
     if not cfg.cluster.testbed.enabled:
+        if cfg.cluster.testbed.cpu_quota is not None:
+            raise ValueError(f"cluster.testbed.cpu_quota={cfg.cluster.testbed.cpu_quota} limits the testbed's nodes: "
+                             "set cluster.testbed.enabled=true too (or cpu_quota=null)")
         return
     if under_torchrun():
         raise ValueError("cluster.testbed.enabled=true starts its own nodes: run it without torchrun")
@@ -82,6 +86,11 @@ def check_testbed(cfg: TrainConfig) -> None:
     reason = testbed_available()
     if reason:
         raise ValueError(f"cluster.testbed.enabled=true but {reason}")
+    if cfg.cluster.testbed.cpu_quota is not None:
+        try:
+            cgroup_root()
+        except CpuLimitError as exc:
+            raise ValueError(str(exc)) from None
 
 
 def check_devices(cfg: TrainConfig) -> None:

@@ -25,6 +25,7 @@ from hybrid.core.comm.compression import INTER_COMPRESSIONS
 from hybrid.core.comm.groups import BACKENDS
 from hybrid.core.comm.registry import CHOOSABLE, COMPRESSIBLE
 from hybrid.core.topology import Layout
+from hybrid.runtime.cpu_limit import per_node_cpus
 from hybrid.runtime.testbed import MAX_NICS, per_node_rates
 
 __all__ = [
@@ -69,10 +70,17 @@ class TestbedConfig:
     nics_per_node: int = 1  # NICs per node, each shaped to its node's rate; gloo uses all of them
     burst_kb: float = 0.0  # tbf burst; 0 = one 4 ms tick at the rate, at least 64 KB
     latency_ms: float = 50.0  # tbf queue limit
+    # CPUs each node may use (a cgroup's CFS quota): one number for every node or a list with one per node
+    # (a node that computes slower); null: no limit.
+    cpu_quota: Any = None
 
     def rates(self, nnodes: int) -> list[float]:
         """One rate per node."""
         return per_node_rates(self.link_mbit, nnodes)
+
+    def cpus(self, nnodes: int) -> list[float] | None:
+        """One CPU limit per node, or None."""
+        return None if self.cpu_quota is None else per_node_cpus(self.cpu_quota, nnodes)
 
 
 @dataclass
@@ -200,6 +208,25 @@ class TrainerConfig:
     # When a resume changes the global batch (another world size; or data.batch_size / grad_accum_steps): keep
     # the learning rate, or scale it by new / old global batch (the linear scaling rule).
     elastic_lr: str = "keep"
+    # timeline.json in the run dir (Chrome trace: Perfetto, chrome://tracing): every rank's loop parts and
+    # communication phases for steps timeline_steps = [first, last] (1-based, both included).
+    timeline: bool = False
+    timeline_steps: Any = field(default_factory=lambda: [3, 5])
+    # A node whose compute (data, forward, backward, optimizer) takes more than (1 + straggler_margin) x the
+    # other nodes' median is the one they wait for: metrics.json names it slowest_node, and straggler_steps
+    # such steps in a row print a warning.
+    straggler_margin: float = 0.25
+    straggler_steps: int = 5
+
+    @property
+    def timeline_window(self) -> tuple[int, int]:
+        """``timeline_steps`` as (first, last); ValueError in one line where it is not two steps in order."""
+        steps = self.timeline_steps
+        if (not isinstance(steps, (list, tuple)) or len(steps) != 2
+                or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+                or not 1 <= steps[0] <= steps[1]):
+            raise ValueError(f"trainer.timeline_steps={steps!r} must be [first, last]: steps, 1 <= first <= last")
+        return steps[0], steps[1]
 
 
 @dataclass
@@ -318,6 +345,10 @@ def _validate_cluster(c: ClusterConfig) -> None:
         raise ValueError(f"cluster.testbed.nics_per_node={c.testbed.nics_per_node!r} must be in 1..{MAX_NICS}")
     _at_least("cluster.testbed.burst_kb", c.testbed.burst_kb, 0)
     _at_least("cluster.testbed.latency_ms", c.testbed.latency_ms, 0.001)
+    try:
+        c.testbed.cpus(c.nnodes)
+    except ValueError as exc:
+        raise ValueError(f"cluster.testbed.cpu_quota={exc}") from None
 
 
 def check_pairing(model_target: Any, data_target: Any, data_kind: Any) -> None:
@@ -375,3 +406,6 @@ def _validate_trainer(t: TrainerConfig) -> None:
     _one_of("trainer.precision", t.precision, PRECISIONS)
     _at_least("trainer.grad_clip_norm", t.grad_clip_norm, 0)
     _one_of("trainer.elastic_lr", t.elastic_lr, ELASTIC_LR)
+    t.timeline_window  # noqa: B018 (validates)
+    _at_least("trainer.straggler_margin", t.straggler_margin, 0)
+    _at_least("trainer.straggler_steps", t.straggler_steps, 1)

@@ -39,25 +39,26 @@ def train_step(replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: 
     Averaged gradients are clipped where ``trainer.grad_clip_norm`` asks; non-finite ones skip the step or
     stop the run (``trainer.nonfinite_grads``)."""
     total_loss = replicas.forward_backward(trainer.grad_accum_steps)
-    if grads_finite(replicas.module):
-        if trainer.grad_clip_norm:
-            # The averaged gradients are the same bits on every rank, so every rank clips them alike.
-            torch.nn.utils.clip_grad_norm_(replicas.module.parameters(), trainer.grad_clip_norm)
-        optimizer.step()
-    elif trainer.nonfinite_grads == "skip":
-        processor.step_skipped(step + 1)
-    else:
-        raise FloatingPointError(
-            f"step {step + 1}: non-finite (inf/NaN) gradients after averaging over all ranks; stopping "
-            "(trainer.nonfinite_grads=skip would skip such steps)"
-        )
-    scheduler.step()
-    # With gradients as bucket views, zeroing in place keeps them views: backward then accumulates straight
-    # into DDP's buckets. Setting them to None would make autograd allocate fresh gradients each step and DDP
-    # copy them into the buckets again (its own no-hook path fuses the averaging into that copy; a comm hook
-    # cannot, so it would pay one more pass over the gradients than DDP). Every comm, ddp included, zeroes
-    # the same way, so a parameter unused in a step gets the same update under each.
-    optimizer.zero_grad(set_to_none=not grads_as_bucket_views)
+    with processor.recorder.span("optimizer"):
+        if grads_finite(replicas.module):
+            if trainer.grad_clip_norm:
+                # The averaged gradients are the same bits on every rank, so every rank clips them alike.
+                torch.nn.utils.clip_grad_norm_(replicas.module.parameters(), trainer.grad_clip_norm)
+            optimizer.step()
+        elif trainer.nonfinite_grads == "skip":
+            processor.step_skipped(step + 1)
+        else:
+            raise FloatingPointError(
+                f"step {step + 1}: non-finite (inf/NaN) gradients after averaging over all ranks; stopping "
+                "(trainer.nonfinite_grads=skip would skip such steps)"
+            )
+        scheduler.step()
+        # With gradients as bucket views, zeroing in place keeps them views: backward then accumulates straight
+        # into DDP's buckets. Setting them to None would make autograd allocate fresh gradients each step and DDP
+        # copy them into the buckets again (its own no-hook path fuses the averaging into that copy; a comm hook
+        # cannot, so it would pay one more pass over the gradients than DDP). Every comm, ddp included, zeroes
+        # the same way, so a parameter unused in a step gets the same update under each.
+        optimizer.zero_grad(set_to_none=not grads_as_bucket_views)
     replicas.end_step()
     return total_loss
 
@@ -94,17 +95,22 @@ def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.opti
     """Steps ``start_step`` .. the last one (``max_steps``, or ``stop_after`` steps on); checks replicas and
     writes checkpoints on schedule and at the end. Returns the last step."""
     last = trainer.max_steps if not trainer.stop_after else min(trainer.max_steps, start_step + trainer.stop_after)
+    recorder = processor.recorder
     for step in range(start_step, last):
+        done = step + 1
+        processor.step_begin(done)
         started = time.perf_counter()
         loss = train_step(replicas, optimizer, scheduler, trainer, grads_as_bucket_views, step, processor)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # honest step time; this is a local wait, not a collective
-        done = step + 1
         processor.step_done(done, loss, time.perf_counter() - started, scheduler.get_last_lr()[0], last)
         if trainer.check_replicas_every and done % trainer.check_replicas_every == 0:
-            check_replicas(replicas.local_models(), done)
+            with recorder.span("check_replicas"):
+                check_replicas(replicas.local_models(), done)
         if trainer.checkpoint_every and done % trainer.checkpoint_every == 0 and done < last:
-            checkpointer.save(done, replicas, optimizer, scheduler, stream)
+            with recorder.span("checkpoint"):
+                checkpointer.save(done, replicas, optimizer, scheduler, stream)
+        processor.step_end(done)
     checkpointer.save(last, replicas, optimizer, scheduler, stream)
     return last
 
@@ -115,7 +121,7 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
                      ) -> dict[str, Any] | None:
     """What both modes do once their replicas are built: train from ``run.start_step`` with checkpoints and
     logging, then gather the run's result (rank 0 returns it and writes metrics.json; the others None)."""
-    processor = MetricsProcessor(cfg, topology, metrics, counters, comm, run.membership)
+    processor = MetricsProcessor(cfg, topology, metrics, counters, comm, run.membership, run_path)
     checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, run.layout, run.membership, rank, feedback)
     last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor, checkpointer,
                       run.start_step, cfg.comm.grad_as_bucket_view, device)

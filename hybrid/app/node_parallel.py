@@ -57,6 +57,7 @@ from hybrid.app.setup import set_up
 from hybrid.core.comm import CommGroups, Communicator, PhaseCounters
 from hybrid.core.comm.counters import rooted_bytes
 from hybrid.core.comm.groups import resolve_backend
+from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
 
 __all__ = ["NodeProcessCommunicator", "NodeReplicas", "replica_topology", "train_thread_mode"]
@@ -221,8 +222,10 @@ class NodeReplicas:
     def forward_backward(self, accum: int) -> torch.Tensor:
         """Every micro-step of one step on every replica, then the gradients averaged over all N into the
         leader; returns the leader's loss (summed over the micro-steps, each divided by ``accum``)."""
+        rec = self.counters.recorder or StepRecorder(())
         # Read on this thread, in order, as DataParallel scatters on the calling thread: the threads only compute.
-        batches = [[next(stream) for _ in range(accum)] for stream in self.streams]
+        with rec.span("data"):
+            batches = [[next(stream) for _ in range(accum)] for stream in self.streams]
         losses: list[Any] = [None] * len(self.replicas)
 
         def run(r: int) -> None:
@@ -234,13 +237,16 @@ class NodeReplicas:
 
         # Daemon threads, one per replica and step (cheap next to a forward and backward): one stuck past the
         # deadline cannot keep the process from exiting with the error, as a pool's joined workers would.
-        threads = [threading.Thread(target=run, args=(r,), name=f"replica-{r}", daemon=True)
-                   for r in range(len(self.replicas))]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + self.timeout_s
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        # The replicas' forward and backward, in threads, are one span ("backward"); averaging follows it.
+        with rec.span("backward"):
+            threads = [threading.Thread(target=run, args=(r,), name=f"replica-{r}", daemon=True)
+                       for r in range(len(self.replicas))]
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + self.timeout_s
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        rec.mark_compute_end()
         slow = [r for r, thread in enumerate(threads) if thread.is_alive()]
         if slow:
             raise TimeoutError(f"replica(s) {slow} of node {self.topology.node} did not finish forward and backward "
@@ -274,7 +280,7 @@ class NodeReplicas:
                 flat.add_(_flat_grads([self._params[r][i] for i in bucket]).to(leader_device, non_blocking=True))
             _synchronize(leader_device)
             # Bytes as the counters count them (a bandwidth-optimal reduce): what process mode's ranks report.
-            self.counters.add("intra_reduce", time.perf_counter() - start, rooted_bytes(flat.nbytes, g))
+            self.counters.add("intra_reduce", time.perf_counter() - start, rooted_bytes(flat.nbytes, g), start)
             in_flight.append((bucket, flat, self.comm.start(flat, (k, flat.numel()), n)))
         for bucket, flat, started in in_flight:
             self.comm.finish(flat, started, n)
@@ -302,7 +308,7 @@ class NodeReplicas:
         for device in dict.fromkeys(self.devices):
             _synchronize(device)
         self.counters.add("intra_broadcast", time.perf_counter() - start,
-                          rooted_bytes(self._param_bytes, len(self.replicas)))
+                          rooted_bytes(self._param_bytes, len(self.replicas)), start)
 
     def close(self) -> None:
         """Nothing to release: the replica threads end with each step (or, stuck, with the process)."""

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app.data import BatchStream
 from hybrid.app.losses import LossFn, batch_loss, move_to
+from hybrid.core.timeline import StepRecorder
 
 __all__ = ["RankReplica", "ReplicaDivergence", "Replicas", "autocast_for", "check_replicas", "grads_finite",
            "param_checksum"]
@@ -48,9 +49,11 @@ class RankReplica:
     """Process mode: one replica per process, this rank's model under DDP."""
 
     def __init__(self, ddp: DDP, stream: BatchStream, device: torch.device, loss_fn: LossFn,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", recorder: StepRecorder | None = None) -> None:
         self.ddp, self.stream, self.device, self.precision = ddp, stream, device, precision
         self.loss_fn = loss_fn
+        self.recorder = recorder if recorder is not None else StepRecorder(())
+        self.recorder.watch_gradients(ddp.module)  # backward's compute ends at its last accumulated gradient
 
     @property
     def module(self) -> nn.Module:
@@ -58,14 +61,16 @@ class RankReplica:
 
     def forward_backward(self, accum: int) -> torch.Tensor:
         total_loss = torch.zeros((), device=self.device)
+        rec = self.recorder
         for micro in range(accum):
-            x, y = next(self.stream)
-            x, y = move_to(x, self.device, non_blocking=True), move_to(y, self.device, non_blocking=True)
+            with rec.span("data"):
+                x, y = next(self.stream)
+                x, y = move_to(x, self.device, non_blocking=True), move_to(y, self.device, non_blocking=True)
             # Only the last micro-step synchronises gradients.
             with self.ddp.no_sync() if micro < accum - 1 else nullcontext():
-                with autocast_for(self.device, self.precision):
+                with rec.span("forward"), autocast_for(self.device, self.precision):
                     loss = batch_loss(self.ddp, x, y, self.loss_fn) / accum
-                loss.backward()
+                rec.backward(loss)
             total_loss += loss.detach()
         return total_loss
 

@@ -24,7 +24,10 @@ from hybrid.app.config import TrainConfig
 from hybrid.app.metrics import Metrics, write_json_atomic
 from hybrid.app.models import param_bytes
 from hybrid.app.replicas import param_checksum
+from hybrid.app.step_accounts import StepAccounts
+from hybrid.app.timeline_file import TimelineFile
 from hybrid.core.comm import MODEL_LEVELS, PHASES, AutoCommunicator, Communicator, PhaseCounters
+from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
 
 __all__ = ["MetricsProcessor", "describe_auto_calibration", "log_auto_decisions", "runs_as"]
@@ -42,8 +45,9 @@ def describe_auto_calibration(comm: AutoCommunicator) -> str:
     levels = "; ".join(f"{name} {level(lv)}" for name in MODEL_LEVELS if (lv := getattr(comm.model, name)) is not None)
     # Without a measured cross level, sharded is priced by spreading the inter level over the NICs.
     nics = "" if comm.model.sharded_inter is not None else f"; {comm.model.nics_per_node} NIC(s) per node for sharded"
+    links = "" if comm.links is None else "\n" + "\n".join(comm.links.table())
     return (f"comm=auto calibrated in {comm.calibration_s:.2f} s: {levels}{nics}; choosing among "
-            f"{', '.join(comm.candidates)} per bucket size")
+            f"{', '.join(comm.candidates)} per bucket size{links}")
 
 
 def _bucket_kind(d: dict[str, Any]) -> str:
@@ -86,8 +90,21 @@ class MetricsProcessor:
     """Per-step logging and the run's final result (see the module's docstring)."""
 
     def __init__(self, cfg: TrainConfig, topology: Topology, metrics: Metrics, counters: PhaseCounters,
-                 comm: Communicator | None = None, membership: list[dict[str, Any]] | None = None) -> None:
+                 comm: Communicator | None = None, membership: list[dict[str, Any]] | None = None,
+                 run_path: Path | None = None) -> None:
         self.cfg, self.topology, self.metrics, self.counters, self.comm = cfg, topology, metrics, counters, comm
+        # Phases reach the recorder through the counters; a caller that built counters without one gets one here.
+        if counters.recorder is None:
+            counters.recorder = StepRecorder(PHASES)
+        self.recorder: StepRecorder = counters.recorder
+        t = cfg.trainer
+        self.accounts = StepAccounts(topology, metrics, t.straggler_margin, t.straggler_steps)
+        # Collective (the clock alignment): every process builds its processor at the same point.
+        self.timeline = (TimelineFile(self.recorder, t.timeline_window, topology, run_path, metrics,
+                                      {"comm": cfg.comm.algorithm, "nnodes": topology.nnodes,
+                                       "world_size": topology.world_size, "model": cfg.model.label})
+                         if t.timeline and run_path is not None else None)
+        self._phases: dict[str, Any] = {}
         self.membership = membership or []
         for entry in self.membership:  # the layout history, on the step axis where each layout began
             self.metrics.scalars(entry["step"], {"membership/world_size": float(entry["world_size"]),
@@ -104,16 +121,28 @@ class MetricsProcessor:
         self.skipped += 1
         self.metrics.status(f"step {step}: non-finite gradients, step skipped ({self.skipped} so far)")
 
+    def step_begin(self, step: int) -> None:
+        if self.timeline is not None:
+            self.timeline.step_begin(step)
+
+    def step_end(self, step: int) -> None:
+        """After step ``step``'s checks and checkpoint: the timeline is written after its window's last step."""
+        if self.timeline is not None:
+            self.timeline.step_end(step, self._phases)
+
     def step_done(self, done: int, loss: torch.Tensor, seconds: float, lr: float, last: int) -> None:
-        """Account step ``done`` (1-based); every ``log_every`` steps and at ``last``, log it."""
+        """Account step ``done`` (1-based); every ``log_every`` steps and at ``last``, log it (and exchange the
+        interval's per-rank accounts: collective)."""
         self.step_times.append(seconds)
         self._interval_steps += 1
-        phases = self.counters.snapshot(reset=True)
+        phases = self._phases = self.counters.snapshot(reset=True)
         for name, stats in phases.items():
             self.totals[name][0] += stats.seconds
             self.totals[name][1] += stats.bytes
+        self.accounts.add(done, seconds, self.recorder.end_step())
         if done % self.cfg.trainer.log_every and done != last:
             return
+        self.accounts.exchange()
         self.loss = float(loss)  # the only host sync of the loss: at a log step
         rate = self.samples_per_step * self._interval_steps / (time.perf_counter() - self._interval_start)
         values = {"train/loss": self.loss, "train/lr": lr, "train/samples_per_s": rate, "train/step_time_s": seconds}
@@ -131,6 +160,10 @@ class MetricsProcessor:
                run_path: Path, rank: int) -> dict[str, Any] | None:
         """Gather every process's checksums and peak memory (collective); rank 0 writes metrics.json and the
         HParams and returns the result, the others None."""
+        if self.timeline is not None:
+            self.timeline.finish(last)
+        self.accounts.exchange()  # steps since the last log step (none where the run ended on one)
+        self.recorder.close()
         checksums = [param_checksum(m) for m in local_models]
         # Linux reports the peak resident set in KiB: the high-water mark of this worker process.
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -142,7 +175,7 @@ class MetricsProcessor:
         result = {**self._run_facts(last), **self._speed(), "peak_rss_mb": [g[1] for g in gathered],
                   "param_checksum": checksums[0], "param_checksums_identical": len(set(all_checksums)) == 1,
                   "param_bytes": param_bytes(leader), "device": str(device), "run_dir": str(run_path),
-                  "membership": self.membership}
+                  "membership": self.membership, **self.accounts.summary()}
         if isinstance(self.comm, AutoCommunicator):
             result["comm_auto"] = self.comm.report()
         self._log_hparams(result)

@@ -34,6 +34,7 @@ from hybrid.app.replicas import RankReplica
 from hybrid.app.run_metrics import describe_auto_calibration
 from hybrid.app.setup import device_for, sample_batch, set_up
 from hybrid.core.comm import (
+    PHASES,
     AutoCommunicator,
     CommGroups,
     PhaseCounters,
@@ -42,6 +43,7 @@ from hybrid.core.comm import (
     register_comm_hook,
     settle_buckets,
 )
+from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology, discover_topology
 from hybrid.runtime.distributed import broadcast_from_rank0, init_distributed, shutdown_distributed
 
@@ -108,7 +110,7 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
     ddp = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
               find_unused_parameters=cfg.comm.find_unused_parameters, **buffer_sync(run.model))
-    counters = PhaseCounters()
+    counters = PhaseCounters(StepRecorder(PHASES))  # the phases also feed the per-rank accounts and the timeline
     hook = groups = comm = None
     finished = False
     try:
@@ -125,7 +127,7 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
         # then sums each element in the order the uninterrupted run did, and residuals keyed by bucket apply.
         x, y = sample_batch(run.dataset, cfg.data.batch_size, device)
         settle_buckets(ddp, hook, lambda: batch_loss(ddp, x, y, run.loss_fn).backward())
-        replicas = RankReplica(ddp, run.streams[0], device, run.loss_fn, cfg.trainer.precision)
+        replicas = RankReplica(ddp, run.streams[0], device, run.loss_fn, cfg.trainer.precision, counters.recorder)
         result = train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, feedback,
                                   comm)
         finished = True

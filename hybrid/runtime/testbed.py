@@ -19,6 +19,9 @@ them. Every namespace, veth and bridge is removed on exit (also on an
 exception, Ctrl-C or SIGTERM); names carry the creating process id, so a
 leftover from a killed run is recognised and removed by the next one.
 
+With ``cpus``, each node also runs in a cgroup limited to that many CPUs
+(:mod:`hybrid.runtime.cpu_limit`): a node that computes slower.
+
 Needs root and iproute2 (``ip``, ``tc``).
 """
 
@@ -30,9 +33,11 @@ import shutil
 import signal
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Sequence
 
+from hybrid.runtime import cpu_limit
 from hybrid.runtime.launch import NodeNetwork
 
 __all__ = ["MAX_NICS", "LinkShape", "Testbed", "TestbedError", "cleanup_leftovers", "nic_address", "nic_names",
@@ -149,11 +154,13 @@ class Testbed:
     """``with Testbed(2, LinkShape(500)) as tb: launch_local(layout, fn, nodes=tb.nodes)``.
 
     ``link``: one shape for every node, or one per node (node i's NICs all get ``link[i]``);
-    ``nics_per_node``: K NICs per node, each shaped on its own."""
+    ``nics_per_node``: K NICs per node, each shaped on its own; ``cpus``: CPUs per node (a cgroup's quota), or
+    None for no limit."""
 
     __test__ = False  # not a pytest test class, despite the name
 
-    def __init__(self, nnodes: int, link: LinkShape | Sequence[LinkShape], nics_per_node: int = 1) -> None:
+    def __init__(self, nnodes: int, link: LinkShape | Sequence[LinkShape], nics_per_node: int = 1,
+                 cpus: Sequence[float] | None = None) -> None:
         if not 1 <= nnodes <= 200:
             raise ValueError(f"testbed nnodes={nnodes} must be in 1..200")
         if not 1 <= nics_per_node <= MAX_NICS:
@@ -161,7 +168,10 @@ class Testbed:
         links = [link] * nnodes if isinstance(link, LinkShape) else list(link)
         if len(links) != nnodes:
             raise ValueError(f"testbed link_mbit has {len(links)} rates for {nnodes} nodes: give one, or one per node")
-        self.nnodes, self.links, self.nics_per_node = nnodes, links, nics_per_node
+        if cpus is not None and len(cpus) != nnodes:
+            raise ValueError(f"testbed cpu_quota has {len(cpus)} values for {nnodes} nodes: give one per node")
+        self.nnodes, self.links, self.nics_per_node, self.cpus = nnodes, links, nics_per_node, cpus
+        self.cgroups: list[Path] = []
         pid = os.getpid()
         self.bridge = f"hyb{pid}br"
         self.namespaces = [f"hybrid-{pid}-n{i}" for i in range(nnodes)]
@@ -173,14 +183,16 @@ class Testbed:
     @property
     def nodes(self) -> list[NodeNetwork]:
         ifnames = ",".join(nic_names(self.nics_per_node))
-        return [NodeNetwork(nic_address(i, 0), ifnames, ("ip", "netns", "exec", ns))
-                for i, ns in enumerate(self.namespaces)]
+        limits = [cpu_limit.join_prefix(path) for path in self.cgroups] or [()] * self.nnodes
+        return [NodeNetwork(nic_address(i, 0), ifnames, (*limit, "ip", "netns", "exec", ns))
+                for i, (ns, limit) in enumerate(zip(self.namespaces, limits))]
 
     def __enter__(self) -> "Testbed":
         reason = testbed_available()
         if reason:
             raise TestbedError(reason)
         cleanup_leftovers()
+        cpu_limit.cleanup_leftovers()
         self._trap_sigterm()
         try:
             self._create()
@@ -194,6 +206,11 @@ class Testbed:
         self.destroy()
 
     def _create(self) -> None:
+        if self.cpus is not None:
+            try:
+                self.cgroups = [cpu_limit.create(i, c) for i, c in enumerate(self.cpus)]
+            except cpu_limit.CpuLimitError as exc:
+                raise TestbedError(str(exc)) from exc
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "link", "set", self.bridge, "up")
         for i, (ns, host_ends, link) in enumerate(zip(self.namespaces, self._host_ends, self.links)):
@@ -221,6 +238,8 @@ class Testbed:
         for host_end in (name for ends in self._host_ends for name in ends):
             subprocess.run(["ip", "link", "delete", host_end], capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True, timeout=30)
+        for path in self.cgroups:
+            cpu_limit.remove(path)
         self._restore_sigterm()
 
     def _trap_sigterm(self) -> None:

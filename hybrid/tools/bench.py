@@ -69,6 +69,7 @@ class BenchOptions:
     chunk_mb: float = 4.0
     link_mbit: list[float] = field(default_factory=list)  # the testbed's rate per node; empty = loopback
     nics_per_node: int = 1  # the testbed's NICs per node
+    probe_mb: float = 4.0  # the link probe's message per direction and pair of nodes; 0: no probe
 
 
 def nic_tx_bytes(ifname: str) -> int:
@@ -236,6 +237,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
     import torch
 
     from hybrid.core.comm import CommGroups
+    from hybrid.core.comm.link_probe import probe_links
     from hybrid.core.topology import discover_topology
     from hybrid.runtime.distributed import init_distributed, shutdown_distributed
 
@@ -251,6 +253,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
         nics = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if opts.link_mbit and topo.is_leader else []
         if "sharded-inter" in opts.algorithms and groups.cross is None:
             raise ValueError(f"sharded-inter needs nodes of equal size, got {list(topo.node_sizes)}")
+        links = (probe_links(topo, groups.leaders, max(4, int(opts.probe_mb * 2**20)))
+                 if opts.probe_mb > 0 and topo.nnodes > 1 else None)
         for size in opts.sizes:
             tensor = torch.empty(max(1, size // itemsize), dtype=dtype, device=device)
             fns, counters, runs_as = _contenders(opts, groups, tensor, device)
@@ -273,6 +277,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
             "world_size": topo.world_size, "intra_backend": groups.intra_backend,
             "inter_backend": groups.inter_backend, "dtype": opts.dtype, "device": str(device),
             "torch": torch.__version__, "host": platform.node(), "options": asdict(opts), "results": rows,
+            **({"link_probe": {**links.as_dict(), "table": links.table()}} if links is not None else {}),
         }
     finally:
         shutdown_distributed()
@@ -288,7 +293,7 @@ def format_table(report: dict[str, Any]) -> str:
         head += f", testbed: {nics} NIC(s) per node shaped to {rates} Mbit/s"
     cols = (f"{'size':>10} {'algorithm':>13} {'time ms':>9} {'vs torch':>8} {'quartiles':>10} {'algbw GB/s':>10} {'busbw GB/s':>10}"
             + (f" {'NIC MB':>8} {'link use':>8}" if link else "") + "  phases ms")
-    lines = [head, cols]
+    lines = [*report.get("link_probe", {}).get("table", []), head, cols]
     for row in report["results"]:
         phases = " ".join(f"{k}={v * 1e3:.2f}" for k, v in row["phases_s"].items())
         name = row["algorithm"] if row["runs_as"] == row["algorithm"] else f"{row['algorithm']}->{row['runs_as']}"
@@ -335,6 +340,9 @@ def _parser() -> argparse.ArgumentParser:
                         "one rate per node, comma-separated (needs root; default 0 = all nodes on loopback)")
     p.add_argument("--testbed-nics", type=int, default=1,
                    help=f"NICs per node on the testbed, 1..{MAX_NICS} (default 1); gloo uses all of them")
+    p.add_argument("--probe-mb", type=float, default=4.0,
+                   help="first measure every pair of nodes point to point with this many MiB each way and name a "
+                        "node whose links are slow (default 4; 0: skip; needs 2+ nodes, naming one 3+)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails (default 300)")
     p.add_argument("--output", default=None,
                    help="JSON results file (default: outputs/bench/<layout>-<date>-<time>.json, a new file each run)")
@@ -360,11 +368,14 @@ def _options(args: argparse.Namespace, p: argparse.ArgumentParser) -> BenchOptio
         p.error(f"--timeout {args.timeout} must be > 0 seconds")
     if not args.chunk_mb > 0:
         p.error(f"--chunk-mb {args.chunk_mb} must be > 0")
+    if not args.probe_mb >= 0:
+        p.error(f"--probe-mb {args.probe_mb} must be >= 0 (0: no link probe)")
     rates = testbed_rates(args.testbed_mbit, Layout.parse(layout).nnodes, p)
     if not 1 <= args.testbed_nics <= MAX_NICS:
         p.error(f"--testbed-nics {args.testbed_nics} must be in 1..{MAX_NICS}")
     return BenchOptions(layout, sizes, algorithms, args.iters, args.warmup, args.dtype,
-                        args.intra_backend, args.inter_backend, args.timeout, args.chunk_mb, rates, args.testbed_nics)
+                        args.intra_backend, args.inter_backend, args.timeout, args.chunk_mb, rates, args.testbed_nics,
+                        args.probe_mb)
 
 
 def testbed_rates(text: str, nnodes: int, p: argparse.ArgumentParser) -> list[float]:

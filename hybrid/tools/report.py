@@ -1,4 +1,5 @@
-"""``python -m hybrid.report MULTIRUN_DIR``: a sweep's jobs -> report.md (tables) + report.png (plot).
+"""``python -m hybrid.report MULTIRUN_DIR``: a sweep's jobs -> report.md (tables), report.png (plot) and
+report_breakdown.png (where a step's time goes, per algorithm: :mod:`hybrid.tools.report_breakdown`).
 
 Reads every job directory of a Hydra multirun (``.hydra/config.yaml`` and, once
 the job finished, ``metrics.json``). Jobs without metrics (failed, or still
@@ -28,6 +29,7 @@ from omegaconf import OmegaConf
 from hybrid.app.components import label_of
 from hybrid.core.costmodel import Level, Model, calibrate, fit_level, predict
 from hybrid.core.topology import Layout
+from hybrid.tools.report_breakdown import breakdown_table, plot_breakdown
 
 __all__ = ["Job", "load_jobs", "main", "write_report"]
 
@@ -198,13 +200,16 @@ def write_report(sweep_dir: Path, jobs: list[Job], model: Model | None, out_md: 
         lines.append("")
     auto_lines, auto_ratios = auto_table(jobs)
     lines += auto_lines
+    lines += breakdown_table(jobs)
     missing = [j for j in jobs if not j.ok]
     lines += ["## Jobs without metrics (failed or still running)", ""]
     lines += [f"- {j.path.name}: {j.layout} {j.comm} {j.model}" for j in missing] or ["- none"]
     out_md.write_text("\n".join(lines) + "\n")
     _plot(jobs, out_png)
+    breakdown_png = out_png.with_name(out_png.stem + "_breakdown.png")
+    drew = plot_breakdown(jobs, breakdown_png)
     return {"jobs": len(jobs), "finished": len(jobs) - len(missing), "median_abs_error": median_error,
-            "auto_over_best": auto_ratios}
+            "auto_over_best": auto_ratios, "breakdown_png": str(breakdown_png) if drew else None}
 
 
 def _plot(jobs: list[Job], out_png: Path) -> None:
@@ -260,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         model = None
     summary = write_report(args.sweep_dir, jobs, model, args.sweep_dir / "report.md", args.sweep_dir / "report.png")
     print((args.sweep_dir / "report.md").read_text())
-    print(f"wrote {args.sweep_dir / 'report.md'} and {args.sweep_dir / 'report.png'}; "
+    extra = f", {summary['breakdown_png']}" if summary["breakdown_png"] else ""
+    print(f"wrote {args.sweep_dir / 'report.md'}, {args.sweep_dir / 'report.png'}{extra}; "
           f"{summary['finished']}/{summary['jobs']} jobs finished")
     return 0

@@ -56,6 +56,7 @@ from hybrid.core.comm.base import DEFAULT_CHUNK_BYTES, Communicator
 from hybrid.core.comm.compression import InterCompressor
 from hybrid.core.comm.counters import PhaseCounters
 from hybrid.core.comm.groups import CommGroups
+from hybrid.core.comm.link_probe import LinkReport, probe_links
 from hybrid.core.comm.registry import ALGORITHM_CLASSES, AUTO
 from hybrid.core.comm.sharded import ShardedCommunicator
 from hybrid.core.costmodel import Model, fit_level, predict
@@ -264,9 +265,13 @@ class AutoCommunicator(Communicator):
             for name in self.candidates
         }
         self.calibration_s = 0.0
+        # The node leaders' pairwise rates (each leader holds them; None elsewhere): a node with a slow NIC.
+        self.links: LinkReport | None = None
         if len(self.candidates) > 1 and model is None:
             start = time.perf_counter()
             model = measure_levels(groups, device)
+            if topo.nnodes > 1 and groups.leaders is not None:
+                self.links = probe_links(topo, groups.leaders)
             self.calibration_s = time.perf_counter() - start
         self.model = model
         # The model's layout: uneven nodes are priced as nodes of the largest size (the slowest node).
@@ -322,4 +327,5 @@ class AutoCommunicator(Communicator):
             decisions = sorted(self.decisions.values(), key=lambda d: d.nbytes)
         return {"candidates": list(self.candidates), "calibration_s": self.calibration_s, "model": model,
                 "nics_per_node": None if self.model is None else self.model.nics_per_node,
+                "link_probe": None if self.links is None else self.links.as_dict(),
                 "decisions": [d.as_dict() for d in decisions]}

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from hybrid.core.comm.compression import InterCompressor
 from hybrid.core.comm.counters import PhaseCounters, allreduce_bytes
 from hybrid.core.comm.groups import CommGroups
+from hybrid.core.timeline import profiler_range
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "PIPELINE_WINDOW", "CommError", "Communicator", "LOW_PRECISION", "SUPPORTED_DTYPES"]
 
@@ -214,12 +215,13 @@ class Communicator(ABC):
         The block must wait for its collectives, so the time is what this rank
         spent in the phase.
         """
-        start = time.perf_counter()
-        try:
-            yield
-        except Exception as exc:
-            raise self._comm_error(name, exc, start) from exc
-        self.counters.add(name, time.perf_counter() - start, nbytes)
+        with profiler_range(name):
+            start = time.perf_counter()
+            try:
+                yield
+            except Exception as exc:
+                raise self._comm_error(name, exc, start) from exc
+            self.counters.add(name, time.perf_counter() - start, nbytes, start)
 
     def _comm_error(self, phase: str, exc: BaseException, start: float) -> CommError:
         """The error a failed collective of ``phase`` (begun at ``start``) raises: algorithm, phase, rank, node."""

@@ -24,6 +24,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from hybrid.core.timeline import StepRecorder, current_bucket
+
 __all__ = ["PHASES", "PhaseCounters", "PhaseStats", "allreduce_bytes", "rooted_bytes"]
 
 PHASES = ("flat_allreduce", "intra_reduce", "inter_allreduce", "intra_broadcast")
@@ -52,13 +54,23 @@ class PhaseStats:
 
 
 class PhaseCounters:
-    """Accumulates seconds, bytes and calls per phase; safe to read from another thread."""
+    """Accumulates seconds, bytes and calls per phase; safe to read from another thread.
 
-    def __init__(self) -> None:
+    With a ``recorder`` (:class:`~hybrid.core.timeline.StepRecorder`), every phase that says when it started is
+    also handed to it, with its bucket: the per-rank accounting and the timeline see the very intervals these
+    counters sum.
+    """
+
+    def __init__(self, recorder: StepRecorder | None = None) -> None:
         self._lock = threading.Lock()
         self._stats = {name: PhaseStats() for name in PHASES}
+        self.recorder = recorder
 
-    def add(self, phase: str, seconds: float, nbytes: int) -> None:
+    def add(self, phase: str, seconds: float, nbytes: int, start: float | None = None,
+            bucket: dict[str, int] | None = None) -> None:
+        """Count ``seconds`` and ``nbytes`` for ``phase``; ``start`` (``time.perf_counter``) places it in time,
+        ``bucket`` names its DDP bucket where the caller's thread is not the one that set
+        :func:`~hybrid.core.timeline.bucket_scope`."""
         if phase not in self._stats:
             raise KeyError(f"unknown phase {phase!r}: one of {', '.join(PHASES)}")
         with self._lock:
@@ -66,6 +78,8 @@ class PhaseCounters:
             stats.seconds += seconds
             stats.bytes += nbytes
             stats.calls += 1
+        if self.recorder is not None and start is not None:
+            self.recorder.phase(phase, start, start + seconds, nbytes, bucket or current_bucket.get())
 
     def snapshot(self, reset: bool = False) -> dict[str, PhaseStats]:
         """A copy of the counters; with ``reset`` also start the next interval at zero."""

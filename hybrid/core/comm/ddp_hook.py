@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hybrid.core.comm.base import SUPPORTED_DTYPES, Communicator
+from hybrid.core.timeline import bucket_scope
 
 __all__ = ["BucketTrace", "CommHookState", "register_comm_hook", "settle_buckets"]
 
@@ -109,7 +110,8 @@ class CommHookState:
             def finished() -> None:
                 trace.finished = time.perf_counter()
 
-            return direct(tensor, on_done=finished)
+            with bucket_scope(index, tensor.nbytes):
+                return direct(tensor, on_done=finished)
         event = None
         if tensor.is_cuda:
             # The bucket was filled on the backward stream: the comm thread
@@ -127,7 +129,11 @@ class CommHookState:
         def finished_reducing() -> None:
             trace.finished = time.perf_counter()
 
-        return self._stream.submit(lambda: self.communicator.all_reduce_mean_(tensor, key=key), future,
+        def average() -> torch.Tensor:
+            with bucket_scope(index, tensor.nbytes):  # on the stream's thread: its phases are this bucket's
+                return self.communicator.all_reduce_mean_(tensor, key=key)
+
+        return self._stream.submit(average, future,
                                    event=event, device=tensor.device, on_start=started,
                                    on_finish=finished_reducing)
 

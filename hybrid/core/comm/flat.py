@@ -16,16 +16,19 @@ smaller tensors go in one piece (the measured crossover: experiments/RESULTS.md)
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Hashable
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from hybrid.core.comm.base import DEFAULT_CHUNK_BYTES, Communicator
 from hybrid.core.comm.counters import PhaseCounters, allreduce_bytes
 from hybrid.core.comm.groups import CommGroups
+from hybrid.core.timeline import current_bucket, profiling
 
 __all__ = ["FlatCommunicator", "SPLIT_MIN_BYTES", "TAIL_FRACTION"]
 
@@ -135,7 +138,14 @@ class FlatCommunicator(Communicator):
     def _start_piece(self, piece: torch.Tensor, start: float, divisor: int | None, result: torch.Tensor,
                      on_done: Callable[[], None] | None) -> torch.futures.Future:
         nbytes = allreduce_bytes(piece.nbytes, self.topology.world_size)
-        work, averaged = self._all_reduce(piece, average=divisor is not None, async_op=True)
+        bucket = current_bucket.get()  # the callback runs on another thread: take the bucket's name along
+        # Under a torch profiler: a hybrid::flat_allreduce range from issue to completion.
+        profiled = record_function("hybrid::flat_allreduce") if profiling() else None
+        with profiled or contextlib.nullcontext():
+            work, averaged = self._all_reduce(piece, average=divisor is not None, async_op=True)
+            future = work.get_future()
+            if profiled is not None:
+                future = profiled._call_end_callbacks_on_future(future)
         divide = divisor is not None and not averaged
         # The callback runs, and is let go of, on a gloo worker thread: it must not hold the communicator
         # (nor through it the groups). Were it the last holder at exit, the process group would be
@@ -147,11 +157,11 @@ class FlatCommunicator(Communicator):
                 fut.wait()
             except Exception as exc:
                 raise describe_failure("flat_allreduce", exc, start) from exc
-            counters.add("flat_allreduce", time.perf_counter() - start, nbytes)
+            counters.add("flat_allreduce", time.perf_counter() - start, nbytes, start, bucket)
             if divide:
                 divide_(piece, divisor)
             if on_done is not None:
                 on_done()
             return result
 
-        return work.get_future().then(done)
+        return future.then(done)
