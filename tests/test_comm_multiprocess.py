@@ -186,5 +186,13 @@ def test_auto_calibrates_alike_everywhere_and_mixes_algorithms_by_bucket_size(la
             assert 0 <= auto["model"][level]["beta_s_per_byte"] < float("inf")
             assert 0 <= auto["model"][level]["alpha_s"] < float("inf")
         assert auto["bucket_choices"] == ["flat", "hierarchical"]  # both paths of the hook were taken
+        # The link probe ran at start-up among the node leaders (the first rank of each node): both directions
+        # of the one pair measured; nobody named with two nodes.
+        probe = auto["link_probe"]
+        if rank_result["rank"] in (0, rank_result["node_sizes"][0]):
+            assert sorted(probe["links_gbps"]) == ["0->1", "1->0"] and min(probe["links_gbps"].values()) > 0
+            assert probe["slow_nodes"] == []
+        else:
+            assert probe is None
         assert auto["matches_ddp"] == "yes", auto["matches_ddp"]
         assert auto["identical_across_ranks"]

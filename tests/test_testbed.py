@@ -274,7 +274,7 @@ def test_a_node_whose_links_go_down_is_left_behind_and_the_job_finishes_on_the_o
 
 STRAGGLER_RUN = ["cluster.testbed.enabled=true", "cluster.testbed.link_mbit=1000", "comm=hierarchical",
                  "model.width=512", "model.depth=4", "data.batch_size=64", "data.num_samples=4096",
-                 "trainer.max_steps=16", "trainer.log_every=8", "trainer.straggler_steps=5"]
+                 "trainer.max_steps=24", "trainer.log_every=8", "trainer.straggler_steps=5"]
 
 
 @needs_testbed
@@ -292,7 +292,8 @@ def test_a_node_given_a_quarter_of_the_cpu_is_named_the_slowest_and_equal_nodes_
     compute = {n: max(r["compute_s"] for r in slow["ranks"] if r["node"] == n) for n in (0, 1)}
     print(f"compute per step, node 0 / node 1: {compute[0] * 1e3:.1f} / {compute[1] * 1e3:.1f} ms (quota 1 : 0.25)")
     assert slow["slowest_node"] == 1, slow["slowest_node_detail"]
-    assert slow["slowest_node_detail"]["segment"] in ("forward", "backward")
+    print(f"slowest_node_detail: {slow['slowest_node_detail']}")
+    assert slow["slowest_node_detail"]["ratio"] > 2  # a quarter of the CPU: ~4x the compute time
     assert "warning: node 1 is the slowest for 5 steps in a row" in stdout, stdout[-3000:]
     stdout, equal = runs["equal"]
     compute = {n: max(r["compute_s"] for r in equal["ranks"] if r["node"] == n) for n in (0, 1)}

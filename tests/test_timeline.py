@@ -67,6 +67,23 @@ def test_phases_reach_the_recorder_through_the_counters_with_their_bucket_and_ex
     assert counters.snapshot()["flat_allreduce"].seconds == 1.0
 
 
+def test_phases_in_flight_at_once_share_the_exposed_time_instead_of_counting_it_twice():
+    """Flat's buckets overlap: two all-reduces 100..104 and 102..106 after a backward ending at 101 expose 5 s of
+    wall time (101..106), not 3 + 4; a pipeline's intra and inter phases at once share likewise."""
+    rec = StepRecorder(PHASES)
+    rec._compute_end = 101.0
+    rec.phase("flat_allreduce", 100.0, 104.0, 1, None)
+    rec.phase("flat_allreduce", 102.0, 106.0, 1, None)
+    times = rec.end_step()
+    assert times.phases["flat_allreduce"] == 8.0 and times.exposed["flat_allreduce"] == 5.0
+    rec._compute_end = 0.0
+    rec.phase("inter_allreduce", 0.0, 4.0, 1, None)
+    rec.phase("intra_reduce", 2.0, 4.0, 1, None)  # 2..4 both: 1 s each
+    times = rec.end_step()
+    assert times.exposed["inter_allreduce"] == 3.0 and times.exposed["intra_reduce"] == 1.0
+    assert sum(times.exposed.values()) == 4.0  # the wall time, not more
+
+
 def test_chrome_trace_puts_overlapping_comm_spans_on_tracks_of_their_own_and_aligns_clocks():
     rec = StepRecorder(PHASES)
     rec.recording, rec.step = True, 1

@@ -398,6 +398,7 @@ def case_auto(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any
     except AssertionError as exc:
         matches = str(exc)[:400]
     return {"failures": failures, "model": report["model"], "candidates": report["candidates"],
+            "link_probe": report["link_probe"],
             "bucket_choices": bucket_choices, "matches_ddp": matches,
             "identical_across_ranks": same_on_all_ranks(digest(run["params"]))}
 

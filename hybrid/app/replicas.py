@@ -77,6 +77,10 @@ class RankReplica:
     def end_step(self) -> None:
         pass  # every rank stepped its own replica with the same averaged gradients
 
+    def close(self) -> None:
+        """Remove the gradient hooks (also where training failed)."""
+        self.recorder.close()
+
     def local_models(self) -> list[nn.Module]:
         return [self.ddp.module]
 

@@ -81,8 +81,10 @@ class StepAccounts:
         self._pending: list[list[float]] = []
         self._kept: dict[int, deque[list[float]]] = {}  # rank 0: per process rank, its last rows
         self._streak: tuple[int | None, int] = (None, 0)  # the node standing out, for how many steps in a row
+        self._first_step: int | None = None  # this invocation's first step (warm-up; a resumed run's is not 1)
 
     def add(self, step: int, step_s: float, times: StepTimes) -> None:
+        self._first_step = step if self._first_step is None else self._first_step
         self._pending.append([self.rank, self.node, step, step_s, *(times.segments[s] for s in SEGMENTS),
                               *(times.phases[p] for p in PHASES), *(times.exposed[p] for p in PHASES)])
 
@@ -112,12 +114,13 @@ class StepAccounts:
         self._streak = (node, count)
         if found is not None and count == self.warn_after:
             others = [r for r in rows if int(r[_AT["node"]]) != node]
-            waited = max(("comm_wait", *(f"{p}_exposed" for p in PHASES)),
-                         key=lambda c: statistics.median(r[_AT[c]] for r in others))
+            # The phase they wait in (exposed after their backward); DDP's own all-reduce has none: comm_wait.
+            waits = {p: statistics.median(r[_AT[f"{p}_exposed"]] for r in others) for p in PHASES}
+            waited = max(waits, key=waits.__getitem__) if max(waits.values()) > 0 else "comm_wait"
             self.metrics.status(
                 f"warning: node {node} is the slowest for {count} steps in a row (step {int(rows[0][_AT['step']])}): "
                 f"its compute takes {found['ratio']:.1f}x the other nodes' median (most of the excess in "
-                f"{found['segment']}); the others wait for it in {waited.removesuffix('_exposed')}")
+                f"{found['segment']}); the others wait for it in {waited}")
 
     def _log_nodes(self, steps: list[list[list[float]]], step: int) -> None:
         """TensorBoard: per node, the interval's median compute and comm_wait of its slowest process (ms)."""
@@ -139,7 +142,7 @@ class StepAccounts:
         ranks = []
         per_node: dict[int, dict[str, float]] = {}
         for rank in sorted(self._kept):
-            rows = [r for r in self._kept[rank] if r[_AT["step"]] > 1] or list(self._kept[rank])
+            rows = [r for r in self._kept[rank] if r[_AT["step"]] > (self._first_step or 1)] or list(self._kept[rank])
             med = {c: statistics.median(r[_AT[c]] for r in rows) for c in _COLUMNS[3:]}
             compute = sum(med[s] for s in COMPUTE)
             node = int(rows[0][_AT["node"]])

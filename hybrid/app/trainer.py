@@ -111,7 +111,7 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
               bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
               find_unused_parameters=cfg.comm.find_unused_parameters, **buffer_sync(run.model))
     counters = PhaseCounters(StepRecorder(PHASES))  # the phases also feed the per-rank accounts and the timeline
-    hook = groups = comm = None
+    hook = groups = comm = replicas = None
     finished = False
     try:
         if cfg.comm.algorithm != "ddp":
@@ -133,6 +133,8 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
         finished = True
         return result
     finally:
+        if replicas is not None:
+            replicas.close()
         if hook is not None:
             hook.close()
         if groups is not None and finished:

@@ -167,10 +167,9 @@ class StepRecorder:
         with self._lock:
             intervals, self._intervals = self._intervals, []
         phases = dict.fromkeys(self.phase_names, 0.0)
-        exposed = dict.fromkeys(self.phase_names, 0.0)
         for name, start, end in intervals:
             phases[name] += end - start
-            exposed[name] += max(0.0, end - max(start, self._compute_end))
+        exposed = _exposed(intervals, self._compute_end, self.phase_names)
         segments, self._segments = self._segments, dict.fromkeys(SEGMENTS, 0.0)
         return StepTimes(segments, phases, exposed)
 
@@ -193,6 +192,27 @@ class StepRecorder:
             self._intervals.append((name, start, end))
             if self.recording:
                 self.spans.append(Span(name, start, end, "comm", self.step, {"bytes": nbytes, **(bucket or {})}))
+
+
+def _exposed(intervals: list[tuple[str, float, float]], after: float, names: Sequence[str]) -> dict[str, float]:
+    """Per phase, the wall time after ``after`` during which it ran, where phases in flight at once (flat's
+    buckets, a pipeline's pieces) share each moment equally: the shares add up to at most the wall time.
+    One sweep over the intervals' ends, clipped at ``after``."""
+    events = sorted((t, delta, name) for name, s, e in intervals if e > after
+                    for t, delta in ((max(s, after), 1), (e, -1)))
+    exposed = dict.fromkeys(names, 0.0)
+    active: dict[str, int] = {}
+    previous = after
+    for t, delta, name in events:
+        running = sum(active.values())
+        if running and t > previous:
+            for phase, count in active.items():
+                exposed[phase] += (t - previous) * count / running
+        previous = t
+        active[name] = active.get(name, 0) + delta
+        if not active[name]:
+            del active[name]
+    return exposed
 
 
 def _lanes(spans: list[Span]) -> list[int]:

@@ -51,11 +51,12 @@ def cgroup_root() -> tuple[Path, int]:
     """Where cpu cgroups are made here and the cgroup version; CpuLimitError if neither v1 nor v2 has cpu."""
     if (_V1 / "cpu.cfs_quota_us").exists() and os.access(_V1, os.W_OK):
         return _V1, 1
-    controllers = _V2 / "cgroup.controllers"
-    if controllers.exists() and "cpu" in controllers.read_text().split() and os.access(_V2, os.W_OK):
+    # v2: a child gets cpu.max only where the parent hands the controller down (cgroup.subtree_control).
+    subtree = _V2 / "cgroup.subtree_control"
+    if subtree.exists() and "cpu" in subtree.read_text().split() and os.access(_V2, os.W_OK):
         return _V2, 2
     raise CpuLimitError("cluster.testbed.cpu_quota needs a writable cgroup cpu controller (cgroup v1 "
-                        f"{_V1} or v2 {_V2} with cpu in cgroup.controllers); none here")
+                        f"{_V1} or v2 {_V2} with cpu in cgroup.subtree_control); none here")
 
 
 def create(node: int, cpus: float) -> Path:

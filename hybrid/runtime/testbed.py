@@ -208,7 +208,8 @@ class Testbed:
     def _create(self) -> None:
         if self.cpus is not None:
             try:
-                self.cgroups = [cpu_limit.create(i, c) for i, c in enumerate(self.cpus)]
+                for i, c in enumerate(self.cpus):
+                    self.cgroups.append(cpu_limit.create(i, c))  # one by one: destroy() removes those made
             except cpu_limit.CpuLimitError as exc:
                 raise TestbedError(str(exc)) from exc
         _run("ip", "link", "add", self.bridge, "type", "bridge")

@@ -264,15 +264,18 @@ class AutoCommunicator(Communicator):
                                  "none" if name == "flat" else inter_compression)
             for name in self.candidates
         }
-        self.calibration_s = 0.0
+        self.calibration_s = self.probe_s = 0.0
         # The node leaders' pairwise rates (each leader holds them; None elsewhere): a node with a slow NIC.
         self.links: LinkReport | None = None
         if len(self.candidates) > 1 and model is None:
             start = time.perf_counter()
             model = measure_levels(groups, device)
-            if topo.nnodes > 1 and groups.leaders is not None:
-                self.links = probe_links(topo, groups.leaders)
             self.calibration_s = time.perf_counter() - start
+            if topo.nnodes > 1 and groups.leaders is not None:
+                start = time.perf_counter()
+                leaders_device = device if groups.inter_backend == "nccl" else "cpu"
+                self.links = probe_links(topo, groups.leaders, device=leaders_device)
+                self.probe_s = time.perf_counter() - start
         self.model = model
         # The model's layout: uneven nodes are priced as nodes of the largest size (the slowest node).
         self.layout = Layout.uniform(topo.nnodes, max(topo.node_sizes))
@@ -327,5 +330,5 @@ class AutoCommunicator(Communicator):
             decisions = sorted(self.decisions.values(), key=lambda d: d.nbytes)
         return {"candidates": list(self.candidates), "calibration_s": self.calibration_s, "model": model,
                 "nics_per_node": None if self.model is None else self.model.nics_per_node,
-                "link_probe": None if self.links is None else self.links.as_dict(),
+                "link_probe": None if self.links is None else {**self.links.as_dict(), "seconds": self.probe_s},
                 "decisions": [d.as_dict() for d in decisions]}

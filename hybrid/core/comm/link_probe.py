@@ -100,6 +100,8 @@ def _send_timed(payload: torch.Tensor, ack: torch.Tensor, peer: int, group: dist
     start = time.perf_counter()
     dist.send(payload, dst=peer, group=group)
     dist.recv(ack, src=peer, group=group)
+    if ack.is_cuda:
+        torch.cuda.synchronize(ack.device)  # NCCL's recv returns when it is queued
     return time.perf_counter() - start
 
 
@@ -109,17 +111,18 @@ def _receive(payload: torch.Tensor, ack: torch.Tensor, peer: int, group: dist.Pr
 
 
 def probe_links(topology: Topology, group: dist.ProcessGroup | None, nbytes: int = DEFAULT_PROBE_BYTES,
-                repeats: int = 2) -> LinkReport | None:
+                repeats: int = 2, device: torch.device | str = "cpu") -> LinkReport | None:
     """Measure every pair of nodes (collective over ``group``, the node leaders' group; the other ranks pass
-    None and get None). Every leader returns the same report."""
+    None and get None). Every leader returns the same report. ``device``: where the group's backend takes
+    tensors (a GPU for NCCL)."""
     if nbytes < 1 or repeats < 1:
         raise ValueError(f"nbytes={nbytes} and repeats={repeats} must be >= 1")
     if not topology.is_leader or group is None:
         return None
     n, me = topology.nnodes, topology.node
     leaders = topology.leaders  # global ranks, node order
-    payload = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-    ack = torch.zeros(1, dtype=torch.float32)
+    payload = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    ack = torch.zeros(1, dtype=torch.float32, device=device)
     mine: dict[tuple[int, int], float] = {}
     for pairs in round_robin(n):
         for a, b in pairs:
