@@ -21,6 +21,7 @@ from hybrid.core.comm import PHASES, PhaseCounters
 from hybrid.core.comm.link_probe import LinkReport, round_robin
 from hybrid.core.timeline import COMPUTE, StepRecorder, bucket_scope, chrome_trace
 from hybrid.runtime import cpu_limit
+from hybrid.runtime.testbed import per_node_cpus
 
 
 def test_recorder_splits_backward_at_the_last_gradient_and_keeps_spans_only_in_the_window():
@@ -161,11 +162,11 @@ def test_timeline_window_is_two_steps_in_order(steps, ok):
 
 
 def test_per_node_cpus_takes_one_for_all_or_one_per_node():
-    assert cpu_limit.per_node_cpus(0.5, 3) == [0.5, 0.5, 0.5]
-    assert cpu_limit.per_node_cpus([1, 0.25], 2) == [1.0, 0.25]
+    assert per_node_cpus(0.5, 3) == [0.5, 0.5, 0.5]
+    assert per_node_cpus([1, 0.25], 2) == [1.0, 0.25]
     for bad in ([1, 2, 3], 0, 0.05, -1, [1, "x"], True, 10_000):
         with pytest.raises(ValueError, match="must be a number of CPUs"):
-            cpu_limit.per_node_cpus(bad, 2)
+            per_node_cpus(bad, 2)
 
 
 def _cgroups_here() -> str | None:

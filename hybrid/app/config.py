@@ -25,8 +25,7 @@ from hybrid.core.comm.compression import INTER_COMPRESSIONS
 from hybrid.core.comm.groups import BACKENDS
 from hybrid.core.comm.registry import CHOOSABLE, COMPRESSIBLE
 from hybrid.core.topology import Layout
-from hybrid.runtime.cpu_limit import per_node_cpus
-from hybrid.runtime.testbed import MAX_NICS, per_node_rates
+from hybrid.runtime.testbed import MAX_NICS, per_node_cpus, per_node_rates
 
 __all__ = [
     "COMM_ALGORITHMS",

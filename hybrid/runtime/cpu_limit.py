@@ -20,9 +20,8 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Sequence
 
-__all__ = ["CpuLimitError", "cgroup_root", "cleanup_leftovers", "create", "join_prefix", "per_node_cpus", "remove"]
+__all__ = ["CpuLimitError", "cgroup_root", "cleanup_leftovers", "create", "join_prefix", "remove"]
 
 # A short period spreads the throttling evenly over a step: with the kernel's default 100 ms a node at a quarter
 # CPU runs 25 ms flat out and then stalls 75 ms, so a step of a few ms is either unhurt or stalled whole.
@@ -34,17 +33,6 @@ _NAME = re.compile(r"^hybrid-(\d+)-n(\d+)$")
 
 class CpuLimitError(RuntimeError):
     """The cpu controller cannot be used here, or a cgroup could not be made; the message says which."""
-
-
-def per_node_cpus(cpus: float | Sequence[float], nnodes: int) -> list[float]:
-    """One CPU limit per node from one for all or a list of one per node; ValueError otherwise."""
-    listed = list(cpus) if isinstance(cpus, (list, tuple)) else [cpus]
-    limit = os.cpu_count() or 1
-    if (len(listed) not in (1, nnodes)
-            or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and 0.1 <= c <= limit for c in listed)):
-        raise ValueError(f"{cpus!r} must be a number of CPUs in 0.1..{limit} (this machine's) or a list of "
-                         f"{nnodes} such numbers, one per node")
-    return [float(c) for c in listed] * (nnodes if len(listed) == 1 else 1)
 
 
 def cgroup_root() -> tuple[Path, int]:

@@ -35,13 +35,13 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Sequence
+from typing import Callable, Sequence
 
 from hybrid.runtime import cpu_limit
 from hybrid.runtime.launch import NodeNetwork
 
 __all__ = ["MAX_NICS", "LinkShape", "Testbed", "TestbedError", "cleanup_leftovers", "nic_address", "nic_names",
-           "per_node_rates", "testbed_available"]
+           "per_node_cpus", "per_node_rates", "testbed_available"]
 
 MAX_NICS = 8
 
@@ -51,13 +51,26 @@ def nic_address(node: int, nic: int) -> str:
     return f"10.213.{57 + nic}.{node + 1}"
 
 
+def _per_node(values: object, nnodes: int, valid: Callable[[float], bool], one: str, many: str) -> list[float]:
+    """One number per node from one for every node or a list of one per node, each ``valid``; ValueError
+    naming the value and the rule (``one``: what one number must be; ``many``: their plural) otherwise."""
+    listed = list(values) if isinstance(values, (list, tuple)) else [values]
+    if (len(listed) not in (1, nnodes)
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and valid(v) for v in listed)):
+        raise ValueError(f"{values!r} must be {one} or a list of {nnodes} such {many}, one per node")
+    return [float(v) for v in listed] * (nnodes if len(listed) == 1 else 1)
+
+
 def per_node_rates(rates: float | Sequence[float], nnodes: int) -> list[float]:
     """One link rate (Mbit/s) per node from one rate for all or a list of one per node; ValueError otherwise."""
-    listed = list(rates) if isinstance(rates, (list, tuple)) else [rates]
-    if (len(listed) not in (1, nnodes)
-            or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in listed)):
-        raise ValueError(f"{rates!r} must be a rate > 0 (Mbit/s) or a list of {nnodes} such rates, one per node")
-    return [float(r) for r in listed] * (nnodes if len(listed) == 1 else 1)
+    return _per_node(rates, nnodes, lambda r: r > 0, "a rate > 0 (Mbit/s)", "rates")
+
+
+def per_node_cpus(cpus: float | Sequence[float], nnodes: int) -> list[float]:
+    """One CPU limit per node (:mod:`hybrid.runtime.cpu_limit`) from one for all or a list of one per node."""
+    limit = os.cpu_count() or 1
+    return _per_node(cpus, nnodes, lambda c: 0.1 <= c <= limit,
+                     f"a number of CPUs in 0.1..{limit} (this machine's)", "numbers")
 
 
 def nic_names(nics: int) -> list[str]:
