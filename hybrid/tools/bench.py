@@ -253,8 +253,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any] | None:
         nics = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if opts.link_mbit and topo.is_leader else []
         if "sharded-inter" in opts.algorithms and groups.cross is None:
             raise ValueError(f"sharded-inter needs nodes of equal size, got {list(topo.node_sizes)}")
-        links = (probe_links(topo, groups.leaders, max(4, int(opts.probe_mb * 2**20)),
-                             device=device if groups.inter_backend == "nccl" else "cpu")
+        links = (probe_links(topo, groups.leaders, max(4, int(opts.probe_mb * 2**20)))
                  if opts.probe_mb > 0 and topo.nnodes > 1 else None)
         for size in opts.sizes:
             tensor = torch.empty(max(1, size // itemsize), dtype=dtype, device=device)

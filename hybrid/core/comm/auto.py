@@ -273,8 +273,7 @@ class AutoCommunicator(Communicator):
             self.calibration_s = time.perf_counter() - start
             if topo.nnodes > 1 and groups.leaders is not None:
                 start = time.perf_counter()
-                leaders_device = device if groups.inter_backend == "nccl" else "cpu"
-                self.links = probe_links(topo, groups.leaders, device=leaders_device)
+                self.links = probe_links(topo, groups.leaders)
                 self.probe_s = time.perf_counter() - start
         self.model = model
         # The model's layout: uneven nodes are priced as nodes of the largest size (the slowest node).

@@ -111,16 +111,18 @@ def _receive(payload: torch.Tensor, ack: torch.Tensor, peer: int, group: dist.Pr
 
 
 def probe_links(topology: Topology, group: dist.ProcessGroup | None, nbytes: int = DEFAULT_PROBE_BYTES,
-                repeats: int = 2, device: torch.device | str = "cpu") -> LinkReport | None:
+                repeats: int = 2) -> LinkReport | None:
     """Measure every pair of nodes (collective over ``group``, the node leaders' group; the other ranks pass
-    None and get None). Every leader returns the same report. ``device``: where the group's backend takes
-    tensors (a GPU for NCCL)."""
+    None and get None). Every leader returns the same report. The probe's tensors live where the group's
+    backend takes them (this rank's GPU for NCCL)."""
     if nbytes < 1 or repeats < 1:
         raise ValueError(f"nbytes={nbytes} and repeats={repeats} must be >= 1")
     if not topology.is_leader or group is None:
         return None
     n, me = topology.nnodes, topology.node
     leaders = topology.leaders  # global ranks, node order
+    on_gpu = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     payload = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
     ack = torch.zeros(1, dtype=torch.float32, device=device)
     mine: dict[tuple[int, int], float] = {}
