@@ -163,7 +163,6 @@ class MetricsProcessor:
         if self.timeline is not None:
             self.timeline.finish(last)
         self.accounts.exchange()  # steps since the last log step (none where the run ended on one)
-        self.recorder.close()
         checksums = [param_checksum(m) for m in local_models]
         # Linux reports the peak resident set in KiB: the high-water mark of this worker process.
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

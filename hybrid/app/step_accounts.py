@@ -14,8 +14,8 @@ median of the other nodes'. The others wait for it: their time shows up as
 ``comm_wait`` and exposed phases. ``straggler_steps`` such steps in a row
 (the same node) print a warning naming the node, the part of its step that
 grew most, and the phase the others wait in. The run's ``ranks`` (medians
-per rank over the last :data:`KEEP_STEPS` steps, the first step left out:
-warm-up) and ``slowest_node`` go to metrics.json; per-node medians go to
+per rank over the last :data:`KEEP_STEPS` steps, the invocation's first step
+left out: warm-up) and ``slowest_node`` go to metrics.json; per-node medians go to
 TensorBoard at each log step (``nodes/<i>/...``).
 
 A node slow on the network is not found here: a ring's every member waits
@@ -138,20 +138,19 @@ class StepAccounts:
         self.metrics.scalars(step, values)
 
     def summary(self) -> dict[str, Any]:
-        """Rank 0: ``ranks`` (medians per process, step 1 left out) and ``slowest_node`` (with its detail)."""
-        ranks = []
-        per_node: dict[int, dict[str, float]] = {}
+        """Rank 0: ``ranks`` (medians per process, this invocation's first step left out) and ``slowest_node``
+        (with its detail), judged on those medians as each step is judged."""
+        ranks, medians = [], []
         for rank in sorted(self._kept):
             rows = [r for r in self._kept[rank] if r[_AT["step"]] > (self._first_step or 1)] or list(self._kept[rank])
-            med = {c: statistics.median(r[_AT[c]] for r in rows) for c in _COLUMNS[3:]}
-            compute = sum(med[s] for s in COMPUTE)
-            node = int(rows[0][_AT["node"]])
-            ranks.append({"rank": rank, "node": node, "steps": len(rows), "step_s": med["step_s"],
-                          "compute_s": compute, **{f"{s}_s": med[s] for s in SEGMENTS},
-                          "phase_s": {p: med[p] for p in PHASES},
-                          "exposed_s": {p: med[f"{p}_exposed"] for p in PHASES}})
-            if node not in per_node or compute > per_node[node]["compute"]:
-                per_node[node] = {**{s: med[s] for s in COMPUTE}, "compute": compute}
-        found = find_straggler(per_node, self.margin)
+            row = [rank, rows[0][_AT["node"]], 0, *(statistics.median(r[i] for r in rows)
+                                                    for i in range(_AT["step_s"], len(_COLUMNS)))]
+            medians.append(row)
+            ranks.append({"rank": rank, "node": int(row[_AT["node"]]), "steps": len(rows),
+                          "step_s": row[_AT["step_s"]], "compute_s": sum(row[_AT[s]] for s in COMPUTE),
+                          **{f"{s}_s": row[_AT[s]] for s in SEGMENTS},
+                          "phase_s": {p: row[_AT[p]] for p in PHASES},
+                          "exposed_s": {p: row[_AT[f"{p}_exposed"]] for p in PHASES}})
+        found = find_straggler(_node_compute(medians), self.margin)
         return {"ranks": ranks, "slowest_node": None if found is None else found["node"],
                 "slowest_node_detail": found, "straggler_margin": self.margin}
