@@ -86,7 +86,7 @@ def test_tensorboard_has_per_phase_scalars_and_hparams(default_run):
 BAD = [
     (["cluster.nnodes=0"], "cluster.nnodes=0 must be >= 1"),
     (["data.batch_size=-4"], "data.batch_size=-4 must be >= 1"),
-    (["comm=ring"], "comm='ring' is not one of auto, ddp, flat, hierarchical, sharded"),
+    (["comm=ring"], "comm='ring' is not one of auto, ddp, flat, hierarchical, hsdp, sharded"),
     (["model=resnet"], "model='resnet' is not one of cnn, gpt2, mlp, transformer"),
     (["data=text"], "data=text is next-byte prediction for a language model: model=mlp cannot train on it"),
     (["data=text", "model=cnn"], "data=text is next-byte prediction for a language model: model=cnn cannot train on "
@@ -137,7 +137,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
     out = hybrid_train("comm=ring", cwd=tmp_path, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "error: comm='ring' is not one of auto, ddp, flat, hierarchical, sharded"]
+        "error: comm='ring' is not one of auto, ddp, flat, hierarchical, hsdp, sharded"]
     assert time.monotonic() - start < 30
     assert list(tmp_path.iterdir()) == []
 
@@ -207,7 +207,7 @@ def test_resume_of_a_non_run_or_another_model_is_refused_before_anything_runs(tm
 def test_help_lists_the_config_groups(tmp_path):
     out = hybrid_train("--help", cwd=tmp_path, timeout=60)
     assert out.returncode == 0
-    for line in ("cluster: 1x2, 1x4, 2x1, 2x2, 2x4, 4x1, 4x2, local", "comm: auto, ddp, flat, hierarchical, sharded",
+    for line in ("cluster: 1x2, 1x4, 2x1, 2x2, 2x4, 4x1, 4x2, local", "comm: auto, ddp, flat, hierarchical, hsdp, sharded",
                  "model: cnn, gpt2, mlp, transformer", "data: files, synthetic, text", "optim: adamw, sgd", "trainer: default",
                  "experiment: auto_vs_fixed, flat_vs_hier, flat_vs_hier_small"):
         assert line in out.stdout

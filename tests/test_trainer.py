@@ -69,7 +69,19 @@ PLANS = {
       + [("mine-hierarchical-resumed", ["comm=hierarchical", *MINE, *extra])
          for extra in (["trainer.stop_after=10"], ["trainer.resume=true"])]
       + [("mine-sharded+bf16", [*MINE, "comm=sharded", "comm.inter_compression=bf16"]),
-         ("mine-auto", [*MINE, "comm=auto"])],
+         ("mine-auto", [*MINE, "comm=auto"])]
+      # Issue 21's peers: torch FSDP2 as HSDP, and torch's own DDP hooks (the bf16 one refuses gloo).
+      + [("hsdp", ["comm=hsdp"]),
+         ("hsdp-resumed", ["comm=hsdp", "trainer.stop_after=10", "trainer.check_replicas_every=5"]),
+         ("hsdp-resumed", ["comm=hsdp", "trainer.resume=true", "trainer.check_replicas_every=5"]),
+         ("hsdp-accum", ["comm=hsdp", "trainer.grad_accum_steps=2"]),
+         ("hsdp-clip", ["comm=hsdp", "trainer.grad_clip_norm=0.05"]),
+         ("gpt2-hsdp", ["comm=hsdp", *GPT2_ON_TEXT]),
+         ("mine-hsdp", ["comm=hsdp", *MINE]),
+         ("ddp+fp16-hook", ["comm=ddp", "comm.torch_hook=fp16"]),
+         # One bucket: torch's PowerSGD hook aborts on gloo with more (hybrid.app.checks.check_powersgd_buckets).
+         ("ddp+powersgd-hook", ["comm=ddp", "comm.torch_hook=powersgd", "comm.powersgd_warmup_steps=5",
+                                "comm.bucket_mb=25"])],
     "4x2": [(c, [f"comm={c}"]) for c in COMMS] + [
         (f"{c}-resumed", [f"comm={c}", *resume])
         for c in ("ddp", "sharded") for resume in (["trainer.stop_after=10"], ["trainer.resume=true"])

@@ -33,8 +33,10 @@ from hybrid.app.config import (
     validate,
 )
 from hybrid.app.losses import batch_loss
+from hybrid.app.models import param_bytes
 from hybrid.app.optim import check_optimizer
-from hybrid.app.setup import build_loss, build_model, load_dataset, sample_batch
+from hybrid.app.replicas import PlainState
+from hybrid.app.setup import build_loss, build_model, check_state_kind, load_dataset, sample_batch
 from hybrid.runtime.cpu_limit import CpuLimitError, cgroup_root
 from hybrid.runtime.slurm import in_submitit_task
 from hybrid.runtime.testbed import testbed_available
@@ -97,6 +99,9 @@ def check_devices(cfg: TrainConfig) -> None:
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("trainer.device='cuda' but torch.cuda.is_available() is False: use auto or cpu")
     uses_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    if cfg.comm.torch_hook == "bf16" and not _uses_nccl(cfg):
+        raise ValueError("comm.torch_hook=bf16: torch's bf16_compress_hook runs only with NCCL on CUDA (torch "
+                         "refuses it on gloo); on this machine use comm.torch_hook=fp16")
     if uses_cuda and not under_torchrun() and cfg.cluster.nproc_per_node > torch.cuda.device_count():
         raise ValueError(
             f"cluster.nproc_per_node={cfg.cluster.nproc_per_node} but this node has "
@@ -140,6 +145,7 @@ def check_components(cfg: TrainConfig) -> None:
     model = build_model(cfg.model, torch.device("cpu"))
     if not any(p.requires_grad for p in model.parameters()):
         raise ComponentError(f"model._target_={cfg.model.target} has no trainable parameters: nothing to train")
+    check_powersgd_buckets(cfg, param_bytes(model))
     loss_fn = build_loss(cfg.loss)
     check_optimizer(cfg.optim)
     dataset = load_dataset(cfg.data)  # last: a built-in one may generate its data into data.root
@@ -158,6 +164,30 @@ def check_components(cfg: TrainConfig) -> None:
                              "parameters (no gradient): nothing to train")
 
 
+# DDP's first bucket holds at most 1 MiB (torch's _DEFAULT_FIRST_BUCKET_BYTES), whatever comm.bucket_mb says.
+_DDP_FIRST_BUCKET_BYTES = 2**20
+
+
+def check_powersgd_buckets(cfg: TrainConfig, gradient_bytes: int) -> None:
+    """torch's powerSGD_hook issues its second all-reduce from the first one's completion callback. On gloo
+    those callbacks run on gloo's threads, so with two or more buckets in flight the ranks issue the
+    all-reduces in different orders and gloo aborts (measured: 2x2, 6 buckets, at the first compressed step;
+    the hazard in DESIGN.md). Refused before start unless every gradient fits DDP's one bucket; NCCL is fine."""
+    if cfg.comm.torch_hook != "powersgd" or _uses_nccl(cfg):
+        return
+    one_bucket = min(_DDP_FIRST_BUCKET_BYTES, int(cfg.comm.bucket_mb * 2**20))
+    if gradient_bytes > one_bucket:
+        raise ValueError(f"comm.torch_hook=powersgd on gloo: this model's {gradient_bytes / 2**20:.2f} MiB of "
+                         f"gradients make more than one DDP bucket ({one_bucket / 2**20:.2f} MiB fit one), and "
+                         "torch's PowerSGD hook then aborts on gloo (its second all-reduce is issued from gloo's "
+                         "callbacks, in a different order per rank): use NCCL on CUDA, or comm.torch_hook=fp16")
+
+
+def _uses_nccl(cfg: TrainConfig) -> bool:
+    uses_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    return uses_cuda and torch.distributed.is_nccl_available()
+
+
 def _shape(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
@@ -166,8 +196,10 @@ def _shape(value: Any) -> str:
     return type(value).__name__
 
 
-def check_resume(resume: object, run_dir: Path | None, model_config: dict | None = None) -> None:
-    """The run to resume must exist, be a hybrid run, and hold the same model, before any worker starts."""
+def check_resume(resume: object, run_dir: Path | None, model_config: dict | None = None,
+                 algorithm: str | None = None) -> None:
+    """The run to resume must exist, be a hybrid run, and hold the same model, written the way ``comm``
+    (``algorithm``) reads state, before any worker starts."""
     if resume_continues_this_run(resume) and run_dir is None:
         raise ValueError(
             "trainer.resume=true continues the run in hydra.run.dir: also give "
@@ -184,7 +216,10 @@ def check_resume(resume: object, run_dir: Path | None, model_config: dict | None
             f"trainer.resume={str(resume)!r}: {str(target)!r} has no checkpoints/{CHECKPOINT_NAME} "
             "(not a finished or checkpointed hybrid run)"
         )
-    saved = (latest_manifest(target) or {}).get("model_config")
+    manifest = latest_manifest(target) or {}
+    if algorithm is not None:
+        check_state_kind(manifest.get("state_dict_kind", PlainState.kind), algorithm, str(resume))
+    saved = manifest.get("model_config")
     if model_config is not None and saved is not None and saved != model_config:
         diff = ", ".join(f"model.{k}={saved.get(k)!r} there, {v!r} here"
                          for k, v in model_config.items() if saved.get(k) != v)
@@ -270,7 +305,8 @@ def precheck(argv: list[str], conf_dir: Path | None = None) -> str | None:
                              "node is lost the restarted workers resume from that run's checkpoints")
         if run_dir and not torchrun_restart():
             check_run_dir(Path(run_dir), settings.trainer.resume)
-        check_resume(settings.trainer.resume, Path(run_dir) if run_dir else None, settings.model.node)
+        check_resume(settings.trainer.resume, Path(run_dir) if run_dir else None, settings.model.node,
+                     settings.comm.algorithm)
         prepare(settings)
     except (HydraException, OmegaConfBaseException) as exc:
         return one_line_error(exc, conf_dir, user_dirs)

@@ -29,6 +29,8 @@ from hybrid.runtime.testbed import MAX_NICS, per_node_cpus, per_node_rates
 
 __all__ = [
     "COMM_ALGORITHMS",
+    "REFERENCE_COMMS",
+    "TORCH_HOOKS",
     "CONF_PACKAGE",
     "ClusterConfig",
     "CommConfig",
@@ -105,9 +107,14 @@ class ClusterConfig:
     testbed: TestbedConfig = field(default_factory=TestbedConfig)
 
 
-# "ddp" is torch DDP's own all-reduce (no hook): the reference every algorithm is checked against;
-# "auto" picks flat, hierarchical or sharded per bucket size from a cost model calibrated at start-up.
-COMM_ALGORITHMS = (*CHOOSABLE, "ddp")
+# "ddp" is torch DDP's own all-reduce (no hook, or one of torch's own hooks, comm.torch_hook): the reference
+# every algorithm is checked against; "hsdp" is torch FSDP2 on a (nodes, workers per node) mesh, the peer a
+# user would try first (hybrid.app.hsdp); "auto" picks flat, hierarchical or sharded per bucket size from a
+# cost model calibrated at start-up.
+REFERENCE_COMMS = ("ddp", "hsdp")
+COMM_ALGORITHMS = (*CHOOSABLE, *REFERENCE_COMMS)
+# comm.torch_hook: torch's own DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks), comm=ddp only.
+TORCH_HOOKS = ("none", "bf16", "fp16", "powersgd")
 
 
 @dataclass
@@ -132,6 +139,12 @@ class CommConfig:
     # none | bf16 | fp16: the inter-node all-reduce of hierarchical / sharded travels in 16 bits, with
     # error feedback; the intra-node phases stay full precision.
     inter_compression: str = "none"
+    # comm=ddp only: one of torch's own DDP hooks, as a user would register it (the compressed peers of
+    # inter_compression). bf16/fp16 compress every all-reduce, intra-node included; powersgd is torch's
+    # low-rank PowerSGD with its error feedback, plain all-reduce for its first powersgd_warmup_steps steps.
+    torch_hook: str = "none"
+    powersgd_rank: int = 1  # PowerSGD's matrix_approximation_rank
+    powersgd_warmup_steps: int = 10  # PowerSGD's start_powerSGD_iter (torch's default: 1000)
 
     @property
     def chunk_bytes(self) -> int:
@@ -151,6 +164,16 @@ class CommConfig:
             raise ValueError(f"comm.inter_compression={self.inter_compression!r} compresses the inter-node phase of "
                              f"hierarchical and sharded (and auto's choices of them); comm={self.algorithm} has "
                              "none: use none")
+        if self.torch_hook not in TORCH_HOOKS:
+            raise ValueError(f"comm.torch_hook={self.torch_hook!r} is not one of {', '.join(TORCH_HOOKS)}")
+        if self.torch_hook != "none" and self.algorithm != "ddp":
+            raise ValueError(f"comm.torch_hook={self.torch_hook} registers one of torch's own hooks on plain DDP; "
+                             f"comm={self.algorithm} has its own communication: use comm=ddp or torch_hook=none")
+        if self.powersgd_rank < 1:
+            raise ValueError(f"comm.powersgd_rank={self.powersgd_rank!r} must be >= 1")
+        if self.powersgd_warmup_steps < 2:
+            # torch: PowerSGD's error feedback needs at least one plain all-reduce first (start_powerSGD_iter > 1).
+            raise ValueError(f"comm.powersgd_warmup_steps={self.powersgd_warmup_steps!r} must be >= 2")
         if not self.bucket_mb > 0:
             raise ValueError(f"comm.bucket_mb={self.bucket_mb} must be > 0 (MiB per DDP bucket)")
         if not self.pipeline_chunk_mb > 0:
@@ -300,6 +323,9 @@ def validate(cfg: TrainSchema) -> TrainConfig:
     further) by :func:`hybrid.app.checks.prepare`."""
     _validate_cluster(cfg.cluster)
     cfg.comm.__post_init__()  # algorithm, backends, bucket size, timeout
+    if cfg.cluster.intra_mode == "thread" and cfg.comm.torch_hook != "none":
+        raise ValueError(f"comm.torch_hook={cfg.comm.torch_hook} hooks torch DDP, which cluster.intra_mode=thread "
+                         "does not run: use cluster.intra_mode=process")
     if cfg.cluster.intra_mode == "thread" and cfg.comm.algorithm != "hierarchical":
         raise ValueError(
             f"comm={cfg.comm.algorithm} is not available with cluster.intra_mode=thread, which is hierarchical by "

@@ -23,7 +23,7 @@ from hybrid.app.config import TrainConfig, TrainerConfig
 from hybrid.app.data import BatchStream
 from hybrid.app.membership import RunLayout
 from hybrid.app.metrics import Metrics
-from hybrid.app.replicas import Replicas, check_replicas, grads_finite
+from hybrid.app.replicas import Replicas, StateAccess, check_replicas, grads_finite
 from hybrid.app.run_metrics import MetricsProcessor
 from hybrid.app.setup import Training
 from hybrid.core.comm import Communicator, PhaseCounters
@@ -67,15 +67,17 @@ class Checkpointer:
     """Writes the run's checkpoints (rank 0), with every rank's error-feedback residuals gathered to it."""
 
     def __init__(self, run_path: Path, trainer: TrainerConfig, model_config: Component, layout: RunLayout,
-                 membership: list[dict[str, Any]], rank: int, feedback: error_feedback.ErrorFeedback | None) -> None:
+                 membership: list[dict[str, Any]], rank: int, feedback: error_feedback.ErrorFeedback | None,
+                 state: StateAccess) -> None:
         self.directory, self.keep = run_path / "checkpoints", trainer.keep_checkpoints
         self.meta = {"model_config": model_config.node, "world_size": layout.world_size, "nnodes": layout.nnodes,
-                     "global_batch": layout.global_batch}
-        self.membership, self.rank, self.feedback = membership, rank, feedback
+                     "global_batch": layout.global_batch, "state_dict_kind": state.kind}
+        self.membership, self.rank, self.feedback, self.state = membership, rank, feedback, state
 
     def save(self, step: int, replicas: Replicas, optimizer: Any, scheduler: Any, stream: BatchStream) -> None:
-        """Collective (the residuals' gather); only rank 0 writes."""
+        """Collective (the residuals' gather, a sharded model's state); only rank 0 writes."""
         residuals = self.feedback.gather() if self.feedback is not None else None
+        model_state, optimizer_state = self.state.collect(replicas.module, optimizer)
         if self.rank != 0:
             return
         if self.feedback is not None and residuals is None:  # the writer must be the default group's rank 0
@@ -83,7 +85,7 @@ class Checkpointer:
                                "default group, where the error-feedback residuals were gathered")
         extra = {error_feedback.CHECKPOINT_KEY: residuals} if residuals is not None else {}
         save_checkpoint(self.directory, {
-            "model": replicas.module.state_dict(), "optimizer": optimizer.state_dict(),
+            "model": model_state, "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict(), "step": step, "data": stream.state(),
             "rng": torch.get_rng_state(), "membership": self.membership, **self.meta, **extra,
         }, step, keep=self.keep, meta=self.meta)
@@ -106,7 +108,7 @@ def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.opti
         processor.step_done(done, loss, time.perf_counter() - started, scheduler.get_last_lr()[0], last)
         if trainer.check_replicas_every and done % trainer.check_replicas_every == 0:
             with recorder.span("check_replicas"):
-                check_replicas(replicas.local_models(), done)
+                check_replicas(replicas.local_models(), done, replicas.shard_index)
         if trainer.checkpoint_every and done % trainer.checkpoint_every == 0 and done < last:
             with recorder.span("checkpoint"):
                 checkpointer.save(done, replicas, optimizer, scheduler, stream)
@@ -122,7 +124,8 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
     """What both modes do once their replicas are built: train from ``run.start_step`` with checkpoints and
     logging, then gather the run's result (rank 0 returns it and writes metrics.json; the others None)."""
     processor = MetricsProcessor(cfg, topology, metrics, counters, comm, run.membership, run_path)
-    checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, run.layout, run.membership, rank, feedback)
+    checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, run.layout, run.membership, rank, feedback, run.state)
     last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor, checkpointer,
                       run.start_step, cfg.comm.grad_as_bucket_view, device)
-    return processor.finish(replicas.local_models(), replicas.module, last, device, run_path, rank)
+    return processor.finish(replicas.local_models(), replicas.module, last, device, run_path, rank,
+                            replicas.shard_index)

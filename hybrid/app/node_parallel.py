@@ -183,6 +183,8 @@ class NodeReplicas:
     processes: every node calls :meth:`forward_backward` once per step.
     """
 
+    shard_index = 0  # every replica holds the whole model
+
     def __init__(self, leader: nn.Module, devices: list[torch.device], streams: list[BatchStream],
                  comm: NodeProcessCommunicator, *, bucket_bytes: int, timeout_s: float,
                  threads_per_replica: int, loss_fn: LossFn, precision: str = "fp32") -> None:

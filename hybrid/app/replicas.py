@@ -10,14 +10,15 @@ from typing import Any, Protocol, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app.data import BatchStream
 from hybrid.app.losses import LossFn, batch_loss, move_to
 from hybrid.core.timeline import StepRecorder
 
-__all__ = ["RankReplica", "ReplicaDivergence", "Replicas", "autocast_for", "check_replicas", "grads_finite",
-           "param_checksum"]
+__all__ = ["PlainState", "RankReplica", "ReplicaDivergence", "Replicas", "StateAccess", "autocast_for",
+           "check_replicas", "grads_finite", "local_part", "param_checksum"]
 
 
 def autocast_for(device: torch.device, precision: str) -> Any:
@@ -33,6 +34,9 @@ class Replicas(Protocol):
     one process (``cluster.intra_mode=thread``, :class:`hybrid.app.node_parallel.NodeReplicas`)."""
 
     module: nn.Module  # the parameters the optimizer steps, checkpoints and checksums see
+    # Ranks with the same shard_index must hold bit-identical parameters: all of them (0) where every rank
+    # holds the whole model; under comm=hsdp, the ranks holding the same shard (one per node).
+    shard_index: int
 
     def forward_backward(self, accum: int) -> torch.Tensor:
         """Every micro-step of one step, leaving gradients averaged over all ranks in ``module``;
@@ -45,8 +49,46 @@ class Replicas(Protocol):
         """The replicas this process holds, in global rank order."""
 
 
+class StateAccess(Protocol):
+    """How a run's model and optimizer state is read for a checkpoint and loaded from one: torch's
+    ``state_dict`` methods (:class:`PlainState`), or torch's distributed state-dict API for a sharded model
+    (:class:`hybrid.app.hsdp.ShardedState`). ``kind`` is recorded in the checkpoint: a resume must load it
+    the way it was written."""
+
+    kind: str
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """The model as the optimizer must see it (sharded, where this access shards). Collective."""
+
+    def collect(self, model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Model and optimizer state dicts, complete on rank 0. Collective."""
+
+    def load(self, model: nn.Module, optimizer: Any, model_state: dict[str, Any],
+             optimizer_state: dict[str, Any]) -> None:
+        """Load full state dicts (every rank has them)."""
+
+
+class PlainState:
+    """Every rank holds the whole model: its own ``state_dict`` methods; nothing to exchange."""
+
+    kind = "torch.nn.Module"
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def collect(self, model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        return model.state_dict(), optimizer.state_dict()
+
+    def load(self, model: nn.Module, optimizer: Any, model_state: dict[str, Any],
+             optimizer_state: dict[str, Any]) -> None:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+
+
 class RankReplica:
     """Process mode: one replica per process, this rank's model under DDP."""
+
+    shard_index = 0
 
     def __init__(self, ddp: DDP, stream: BatchStream, device: torch.device, loss_fn: LossFn,
                  precision: str = "fp32", recorder: StepRecorder | None = None) -> None:
@@ -91,36 +133,51 @@ def param_checksum(model: nn.Module) -> str:
     broadcast), and each rank then updates its copy with its own batch."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(local_part(p).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (comm=hsdp's DTensors); the tensor itself where it is whole."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def grads_finite(model: nn.Module) -> bool:
-    """True if no gradient holds inf or NaN (one reduction per tensor, one sync)."""
-    sums = [p.grad.sum() for p in model.parameters() if p.grad is not None]
-    return not sums or bool(torch.stack(sums).isfinite().all())
+    """True if no gradient holds inf or NaN (one reduction per tensor, one sync). Sharded gradients (each
+    rank sees its shard only) add one all-reduce of the verdict, so every rank decides alike."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sums = [local_part(g).sum() for g in grads]
+    finite = not sums or bool(torch.stack(sums).isfinite().all())
+    if any(isinstance(g, DTensor) for g in grads):
+        bad = torch.tensor([0.0 if finite else 1.0], device=sums[0].device)
+        dist.all_reduce(bad)
+        finite = bad.item() == 0
+    return finite
 
 
 class ReplicaDivergence(RuntimeError):
     """Ranks that should hold identical parameters do not."""
 
 
-def check_replicas(model: nn.Module | Sequence[nn.Module], step: int) -> None:
+def check_replicas(model: nn.Module | Sequence[nn.Module], step: int, shard_index: int = 0) -> None:
     """Compare parameter checksums across ranks; raise on every rank, naming the ranks that differ.
 
     ``model`` may be this process's replicas in global rank order (intra_mode=thread: a node's
-    replicas, one process per node): ranks are then numbered across all of them."""
+    replicas, one process per node): ranks are then numbered across all of them. Ranks compare with
+    those of the same ``shard_index`` (comm=hsdp: the holders of one shard, one per node)."""
     mine = [param_checksum(m) for m in ([model] if isinstance(model, nn.Module) else model)]
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    every = [digest for digests in gathered for digest in digests]
-    groups: dict[str, list[int]] = {}
-    for r, digest in enumerate(every):
-        groups.setdefault(digest, []).append(r)
-    if len(groups) > 1:
-        majority = max(groups.values(), key=len)
-        diverged = sorted(r for ranks in groups.values() if ranks is not majority for r in ranks)
-        raise ReplicaDivergence(
-            f"step {step}: replicas diverged: rank(s) {diverged} hold parameters different from "
-            f"rank(s) {majority}; stopping (trainer.check_replicas_every)"
-        )
+    dist.all_gather_object(gathered, (shard_index, mine))
+    every = [(index, digest) for index, digests in gathered for digest in digests]
+    for index in sorted({i for i, _ in every}):
+        groups: dict[str, list[int]] = {}
+        for r, (i, digest) in enumerate(every):
+            if i == index:
+                groups.setdefault(digest, []).append(r)
+        if len(groups) > 1:
+            majority = max(groups.values(), key=len)
+            diverged = sorted(r for ranks in groups.values() if ranks is not majority for r in ranks)
+            raise ReplicaDivergence(
+                f"step {step}: replicas diverged: rank(s) {diverged} hold parameters different from "
+                f"rank(s) {majority}; stopping (trainer.check_replicas_every)"
+            )

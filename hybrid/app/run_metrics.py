@@ -157,9 +157,10 @@ class MetricsProcessor:
         self._interval_start, self._interval_steps = time.perf_counter(), 0
 
     def finish(self, local_models: list[nn.Module], leader: nn.Module, last: int, device: torch.device,
-               run_path: Path, rank: int) -> dict[str, Any] | None:
+               run_path: Path, rank: int, shard_index: int = 0) -> dict[str, Any] | None:
         """Gather every process's checksums and peak memory (collective); rank 0 writes metrics.json and the
-        HParams and returns the result, the others None."""
+        HParams and returns the result, the others None. Checksums agree among ranks of one ``shard_index``
+        (comm=hsdp: the holders of one shard; rank 0's is then of its shard)."""
         if self.timeline is not None:
             self.timeline.finish(last)
         self.accounts.exchange()  # steps since the last log step (none where the run ended on one)
@@ -167,12 +168,14 @@ class MetricsProcessor:
         # Linux reports the peak resident set in KiB: the high-water mark of this worker process.
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         gathered: list[Any] = [None] * dist.get_world_size()  # processes: one per rank, or per node (thread mode)
-        dist.all_gather_object(gathered, (checksums, peak_rss_mb))
+        dist.all_gather_object(gathered, (checksums, peak_rss_mb, shard_index))
         if rank != 0:
             return None
-        all_checksums = [c for g in gathered for c in g[0]]
+        by_shard: dict[int, set[str]] = {}
+        for g in gathered:
+            by_shard.setdefault(g[2], set()).update(g[0])
         result = {**self._run_facts(last), **self._speed(), "peak_rss_mb": [g[1] for g in gathered],
-                  "param_checksum": checksums[0], "param_checksums_identical": len(set(all_checksums)) == 1,
+                  "param_checksum": checksums[0], "param_checksums_identical": all(len(c) == 1 for c in by_shard.values()),
                   "param_bytes": param_bytes(leader), "device": str(device), "run_dir": str(run_path),
                   "membership": self.membership, **self.accounts.summary()}
         if isinstance(self.comm, AutoCommunicator):

@@ -20,12 +20,14 @@ from torch.utils.data import Dataset, default_collate
 from hybrid.app import error_feedback
 from hybrid.app.checkpoint import checkpoint_steps, load_checkpoint
 from hybrid.app.components import Component, ComponentError, first_line
-from hybrid.app.config import DataConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
+from hybrid.app.config import COMM_ALGORITHMS, DataConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
 from hybrid.app.data import BatchStream
+from hybrid.app.hsdp import STATE_DICT_KIND
 from hybrid.app.losses import LossFn, move_to
 from hybrid.app.membership import RunLayout, apply_lr_policy, describe_change, history_after_resume, start_history
 from hybrid.app.metrics import Metrics
 from hybrid.app.optim import build_optimizer, build_scheduler
+from hybrid.app.replicas import PlainState, StateAccess
 from hybrid.runtime.distributed import broadcast_from_rank0
 
 __all__ = ["Training", "build_loss", "build_model", "build_training", "device_for", "load_dataset", "restore_training",
@@ -91,32 +93,51 @@ def build_loss(loss: Component) -> LossFn:
     return built
 
 
-def build_training(model_cfg: Component, optim: OptimConfig, trainer: TrainerConfig,
-                   device: torch.device) -> tuple[nn.Module, Any, Any]:
-    """Model, optimizer and LR schedule; the same initial weights in every process (``trainer.seed``)."""
+def build_training(model_cfg: Component, optim: OptimConfig, trainer: TrainerConfig, device: torch.device,
+                   state: StateAccess | None = None) -> tuple[nn.Module, Any, Any]:
+    """Model, optimizer and LR schedule; the same initial weights in every process (``trainer.seed``).
+    ``state`` prepares the model before the optimizer sees its parameters (comm=hsdp shards it)."""
     torch.manual_seed(trainer.seed)  # same initial weights on every rank
-    model = build_model(model_cfg, device)
+    model = (state or PlainState()).prepare(build_model(model_cfg, device))
     optimizer = build_optimizer(model.parameters(), optim)
     scheduler = build_scheduler(optimizer, optim, trainer.max_steps)
     return model, optimizer, scheduler
 
 
-def _check_resumable(state: dict[str, Any], model: Component, where: Path) -> None:
-    """The checkpoint must hold this model; any world size will do (see :mod:`hybrid.app.membership`)."""
+def _check_resumable(state: dict[str, Any], model: Component, where: Path, kind: str) -> None:
+    """The checkpoint must hold this model, written the way this run reads state (``kind``); any world size
+    will do (see :mod:`hybrid.app.membership`)."""
     saved_model = state.get("model_config")
     if saved_model != model.node:
         raise ValueError(f"trainer.resume={str(where)!r} holds model {saved_model}, this run has {model.node}")
+    check_state_kind(state.get("state_dict_kind", PlainState.kind), kind, str(where))
+
+
+def check_state_kind(saved: str, wanted: str, where: str) -> None:
+    """A checkpoint written through torch's distributed state-dict API (comm=hsdp: optimizer state keyed by
+    parameter name) loads only that way, and one of ``Module.state_dict`` (every other comm) only that way.
+    ``wanted``: this run's kind, or its comm (hsdp or another)."""
+    if wanted in COMM_ALGORITHMS:
+        wanted = STATE_DICT_KIND if wanted == "hsdp" else PlainState.kind
+    if saved != wanted:
+        def by(kind: str) -> str:
+            return "comm=hsdp" if kind == STATE_DICT_KIND else "a comm other than hsdp"
+        raise ValueError(f"trainer.resume={where!r} was written by {by(saved)} ({saved} state dicts); this run "
+                         f"needs {by(wanted)}'s: resume it with comm={'hsdp' if saved == STATE_DICT_KIND else 'ddp'} "
+                         "or another comm of its kind")
 
 
 def restore_training(trainer: TrainerConfig, model_config: Component, run_path: Path, rank: int, now: RunLayout,
                      metrics: Metrics, model: nn.Module, optimizer: Any, scheduler: Any,
                      streams: Sequence[BatchStream], residual_signature: dict[str, Any] | None = None,
-                     ) -> tuple[int, dict[str, Any] | None, list[dict[str, Any]]]:
+                     access: StateAccess | None = None) -> tuple[int, dict[str, Any] | None, list[dict[str, Any]]]:
     """Load ``trainer.resume``'s checkpoint (or, after an elastic restart, this run's last one) into these
     objects; return the step to start at (0: a fresh run), this rank's error-feedback residuals where
     the checkpoint has them for a run of signature ``residual_signature`` (see :mod:`hybrid.app.error_feedback`;
     None: this run does not compress), and the run's layout history. The checkpoint may come from another
-    layout (:mod:`hybrid.app.membership`). Collective over the default group."""
+    layout (:mod:`hybrid.app.membership`). ``access``: how model and optimizer state load (default: their
+    own ``load_state_dict``). Collective over the default group."""
+    access = access or PlainState()
     start_step, mine, history = 0, None, start_history(now)
     source = resume_target(trainer.resume, run_path)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -132,9 +153,8 @@ def restore_training(trainer: TrainerConfig, model_config: Component, run_path: 
         # Every rank's residuals stay on rank 0 until each gets only its own, below.
         saved_residuals = state.pop(error_feedback.CHECKPOINT_KEY, None) if state is not None else None
         state = broadcast_from_rank0(state)
-        _check_resumable(state, model_config, source)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        _check_resumable(state, model_config, source, access.kind)
+        access.load(model, optimizer, state["model"], state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         start_step = int(state["step"])
@@ -169,15 +189,19 @@ class Training:
     residuals: dict[str, Any] | None
     layout: RunLayout
     membership: list[dict[str, Any]]  # the layout history, this run's last (see hybrid.app.membership)
+    state: StateAccess  # how checkpoints read and load the model and optimizer
 
 
 def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_sizes: Sequence[int],
-           device: torch.device, run_path: Path, metrics: Metrics, process_rank: int) -> Training:
+           device: torch.device, run_path: Path, metrics: Metrics, process_rank: int,
+           state: StateAccess | None = None) -> Training:
     """Build a run's training state for the replicas of global ranks ``stream_ranks`` (one in process mode,
     a node's in thread mode), restoring a checkpoint where the run resumes. Collective over the default
-    group (``process_rank`` is this process's rank there)."""
+    group (``process_rank`` is this process's rank there). ``state``: how the model is prepared and its
+    state read and loaded (default :class:`~hybrid.app.replicas.PlainState`; comm=hsdp shards)."""
+    state = state or PlainState()
     dataset = load_dataset(cfg.data)
-    model, optimizer, scheduler = build_training(cfg.model, cfg.optim, cfg.trainer, device)
+    model, optimizer, scheduler = build_training(cfg.model, cfg.optim, cfg.trainer, device, state)
     loss_fn = build_loss(cfg.loss)
     streams = [BatchStream(dataset, cfg.data.batch_size, rank, world_size, cfg.trainer.seed,
                            pin_memory=device.type == "cuda", num_workers=cfg.data.num_workers)
@@ -185,6 +209,6 @@ def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_
     signature = error_feedback.signature(cfg.comm, cfg.cluster.intra_mode, node_sizes)
     now = RunLayout(len(node_sizes), world_size, world_size * cfg.data.batch_size * cfg.trainer.grad_accum_steps)
     start_step, residuals, history = restore_training(cfg.trainer, cfg.model, run_path, process_rank, now, metrics,
-                                                      model, optimizer, scheduler, streams, signature)
+                                                      model, optimizer, scheduler, streams, signature, state)
     return Training(dataset, model, loss_fn, optimizer, scheduler, streams, start_step, signature, residuals, now,
-                    history)
+                    history, state)

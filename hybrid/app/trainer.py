@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app import error_feedback
 from hybrid.app.config import TrainConfig
+from hybrid.app.hsdp import HsdpReplica, ShardedState, hsdp_mesh
 from hybrid.app.loop import train_and_report
 from hybrid.app.losses import batch_loss
 from hybrid.app.metrics import Metrics, NullMetrics, TensorBoardMetrics
@@ -33,6 +34,7 @@ from hybrid.app.node_parallel import train_thread_mode
 from hybrid.app.replicas import RankReplica
 from hybrid.app.run_metrics import describe_auto_calibration
 from hybrid.app.setup import device_for, sample_batch, set_up
+from hybrid.app.torch_hooks import register_torch_hook
 from hybrid.core.comm import (
     PHASES,
     AutoCommunicator,
@@ -47,7 +49,7 @@ from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology, discover_topology
 from hybrid.runtime.distributed import broadcast_from_rank0, init_distributed, shutdown_distributed
 
-__all__ = ["buffer_sync", "run_worker", "train_process_mode", "train_worker"]
+__all__ = ["buffer_sync", "run_worker", "train_hsdp", "train_process_mode", "train_worker"]
 
 
 _BUFFER_SYNC_KEY = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
@@ -105,7 +107,10 @@ def train_worker(cfg: TrainConfig, topology: Topology, device: torch.device, run
 
 def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path,
                        metrics: Metrics, rank: int) -> dict[str, Any] | None:
-    """One replica per process: this rank's model under DDP, its buckets averaged by ``comm``."""
+    """One replica per process: this rank's model under DDP, its buckets averaged by ``comm`` (or, comm=hsdp,
+    sharded by torch FSDP2)."""
+    if cfg.comm.algorithm == "hsdp":
+        return train_hsdp(cfg, topology, device, run_path, metrics, rank)
     run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank)
     ddp = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
@@ -122,6 +127,8 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
             if isinstance(comm, AutoCommunicator):
                 metrics.status(describe_auto_calibration(comm))
             hook = register_comm_hook(ddp, comm)
+        else:
+            register_torch_hook(ddp, cfg.comm)  # comm.torch_hook; none: DDP's own all-reduce
         feedback = error_feedback.ErrorFeedback.attach(run.residual_signature, comm, run.residuals, device)
         # The first real step already sees DDP's rebuilt buckets, as every later one does: a resumed run
         # then sums each element in the order the uninterrupted run did, and residuals keyed by bucket apply.
@@ -141,3 +148,20 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
             # On failure the groups' sockets close when this process exits, after its error is recorded
             # (see run_worker): peers that fail on them then come second.
             groups.destroy()
+
+
+def train_hsdp(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path, metrics: Metrics,
+               rank: int) -> dict[str, Any] | None:
+    """comm=hsdp: this rank's shards of the model under torch FSDP2 on a (nodes, workers per node) mesh; the
+    same loop, checkpoints (through torch's distributed state-dict API) and metrics as every other comm."""
+    # The mesh's groups live as long as the default group: torch's DeviceMesh keeps them for later meshes
+    # of the same ranks, so they are not destroyed here.
+    run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank,
+                 ShardedState(hsdp_mesh(topology, device)))
+    counters = PhaseCounters(StepRecorder(PHASES))  # no hybrid phases: FSDP2's collectives sit inside the loop parts
+    replicas = HsdpReplica(run.model, run.streams[0], device, run.loss_fn, topology.local_rank,
+                           cfg.trainer.precision, counters.recorder)
+    try:
+        return train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, None)
+    finally:
+        replicas.close()

@@ -1,0 +1,152 @@
+"""``comm=hsdp``: torch's own hierarchical data parallelism, FSDP2 on a (nodes, workers per node) mesh.
+
+The peer a user would try before hybrid: ``fully_shard`` on a 2-D
+DeviceMesh whose first dimension replicates across nodes and whose second
+shards inside a node, so each step all-gathers parameters inside the node
+(forward and backward), reduce-scatters gradients inside the node, and
+all-reduces each shard across nodes: the traffic shape of ``comm=sharded``,
+plus parameter and optimizer-state sharding (less memory, more intra-node
+traffic). It is a baseline, built the way torch's documentation builds it,
+not a hybrid communicator: ``bucket_mb`` and the backends do not apply
+(FSDP2 communicates per sharded block, over the default backend).
+
+Checkpoints go through torch's distributed state-dict API
+(``torch.distributed.checkpoint.state_dict``, full state dicts gathered to
+rank 0) into hybrid's ordinary checkpoint files, so the atomic writes,
+manifests and resume of :mod:`hybrid.app.checkpoint` hold for it too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from hybrid.app.data import BatchStream
+from hybrid.app.losses import LossFn, batch_loss, move_to
+from hybrid.app.replicas import autocast_for
+from hybrid.core.timeline import StepRecorder
+from hybrid.core.topology import Topology
+
+__all__ = ["MESH_DIMS", "STATE_DICT_KIND", "HsdpReplica", "ShardedState", "full_state", "hsdp_mesh", "load_full_state",
+           "shard_model", "shard_units"]
+
+MESH_DIMS = ("replicate", "shard")
+# Recorded in a checkpoint written through torch's state-dict API (optimizer state keyed by parameter name,
+# where torch's Optimizer.state_dict keys it by position): which loader a resume needs.
+STATE_DICT_KIND = "torch.distributed.checkpoint"
+
+
+def hsdp_mesh(topology: Topology, device: torch.device) -> DeviceMesh:
+    """The mesh of global ranks, one row per node: dimension 0 replicates across nodes, dimension 1 shards
+    inside one. Built from the topology rather than assumed node-major. Collective."""
+    if not topology.is_uniform:
+        raise ValueError(f"comm=hsdp needs the same number of workers on every node, not {list(topology.node_sizes)}")
+    ranks = torch.tensor([list(node) for node in topology.nodes], dtype=torch.int)
+    return DeviceMesh(device.type, ranks, mesh_dim_names=MESH_DIMS)
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks that get a ``fully_shard`` of their own (torchtitan's rule, generalised): the entries of
+    every ``nn.ModuleList`` (transformer blocks); in a model without one, every leaf module with parameters
+    (an MLP's Linears, a CNN's convs). A candidate that shares a parameter with a module outside it (tied
+    embeddings) stays in the root's unit, which FSDP2 requires."""
+    blocks = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
+    candidates = blocks or [m for m in model.modules()
+                            if m is not model and not list(m.children()) and list(m.parameters(recurse=False))]
+    owners: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    units = []
+    for unit in candidates:
+        inside: dict[int, int] = {}
+        for m in unit.modules():
+            for p in m.parameters(recurse=False):
+                inside[id(p)] = inside.get(id(p), 0) + 1
+        if inside and all(owners[k] == n for k, n in inside.items()):
+            units.append(unit)
+    return units
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """``fully_shard`` each unit, then the root (what is left: embeddings, heads, tied weights). In place;
+    the optimizer must be built afterwards, over the sharded parameters."""
+    for unit in shard_units(model):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Full (unsharded) model and optimizer state dicts on rank 0, on the CPU; empty elsewhere. Collective."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(model, optimizer, options=options)
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
+                    optimizer_state: dict[str, Any]) -> None:
+    """Shard full state dicts (every rank has them) into the model's and optimizer's shards. Collective."""
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                   options=StateDictOptions(full_state_dict=True))
+
+
+class ShardedState:
+    """:class:`hybrid.app.replicas.StateAccess` for comm=hsdp: shard the model on ``mesh``; read and load
+    state through torch's distributed state-dict API (full state dicts, rank 0's on the CPU)."""
+
+    kind = STATE_DICT_KIND
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return shard_model(model, self.mesh)
+
+    def collect(self, model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        return full_state(model, optimizer)
+
+    def load(self, model: nn.Module, optimizer: Any, model_state: dict[str, Any],
+             optimizer_state: dict[str, Any]) -> None:
+        load_full_state(model, optimizer, model_state, optimizer_state)
+
+
+class HsdpReplica:
+    """The loop's view of an FSDP2-sharded model: this rank's shards, which ranks of the same shard index
+    on other nodes (the replicate dimension) hold bit for bit."""
+
+    def __init__(self, model: nn.Module, stream: BatchStream, device: torch.device, loss_fn: LossFn,
+                 shard_index: int, precision: str = "fp32", recorder: StepRecorder | None = None) -> None:
+        self.module, self.stream, self.device, self.loss_fn = model, stream, device, loss_fn
+        self.shard_index, self.precision = shard_index, precision
+        # No gradient watch: FSDP2 writes each sharded gradient itself, after its reduce-scatter, so a
+        # post-accumulate hook never fires; all of backward (its collectives included) counts as backward.
+        self.recorder = recorder if recorder is not None else StepRecorder(())
+
+    def forward_backward(self, accum: int) -> torch.Tensor:
+        total_loss = torch.zeros((), device=self.device)
+        rec = self.recorder
+        for micro in range(accum):
+            with rec.span("data"):
+                x, y = next(self.stream)
+                x, y = move_to(x, self.device, non_blocking=True), move_to(y, self.device, non_blocking=True)
+            # FSDP2's no_sync: only the last micro-step reduces gradients.
+            self.module.set_requires_gradient_sync(micro == accum - 1)
+            with rec.span("forward"), autocast_for(self.device, self.precision):
+                loss = batch_loss(self.module, x, y, self.loss_fn) / accum
+            rec.backward(loss)
+            total_loss += loss.detach()
+        return total_loss
+
+    def end_step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.recorder.close()
+
+    def local_models(self) -> list[nn.Module]:
+        return [self.module]
