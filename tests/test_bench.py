@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from hybrid.tools.bench import nic_tx_bytes
+from hybrid.runtime.testbed import nic_tx_bytes
 from hybrid.tools.units import parse_size
 
 

@@ -299,6 +299,12 @@ def test_a_node_given_a_quarter_of_the_cpu_is_named_the_slowest_and_equal_nodes_
     compute = {n: max(r["compute_s"] for r in equal["ranks"] if r["node"] == n) for n in (0, 1)}
     print(f"equal shares: {compute[0] * 1e3:.1f} / {compute[1] * 1e3:.1f} ms")
     assert equal["slowest_node"] is None, equal["slowest_node_detail"]
+    # Each node's NICs, counted by its first worker: two leaders all-reduce S bytes of gradients, so each
+    # sends S per step (half in the reduce-scatter, half in the all-gather), plus headers and the accounts.
+    gradient_bytes = equal["param_bytes"]
+    sent = equal["nic_tx_bytes_per_step_by_node"]
+    print(f"NIC bytes per step by node: {[round(b / 1e6, 2) for b in sent]} MB, gradients {gradient_bytes / 1e6:.2f} MB")
+    assert len(sent) == 2 and all(gradient_bytes <= b < 1.15 * gradient_bytes for b in sent), sent
     assert "is the slowest" not in stdout
     assert ours() == [] and not list(Path("/sys/fs/cgroup/cpu").glob("hybrid-*"))
 

@@ -29,6 +29,7 @@ from hybrid.app.timeline_file import TimelineFile
 from hybrid.core.comm import MODEL_LEVELS, PHASES, AutoCommunicator, Communicator, PhaseCounters
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
+from hybrid.runtime.testbed import nic_tx_bytes, testbed_nics
 
 __all__ = ["MetricsProcessor", "describe_auto_calibration", "log_auto_decisions", "runs_as"]
 
@@ -116,12 +117,18 @@ class MetricsProcessor:
         self.loss = float("nan")
         self._interval_start, self._interval_steps = time.perf_counter(), 0
         self._auto_logged: set[str] = set()
+        # On the testbed a node's first worker counts what its NICs send while training: the network bytes per
+        # step of each comm, measured at the NIC, not by the comm's own counters (hsdp and ddp have none).
+        self._nics = testbed_nics() if cfg.cluster.testbed.enabled and topology.local_rank == 0 else []
+        self._nic_start: list[int] | None = None
 
     def step_skipped(self, step: int) -> None:
         self.skipped += 1
         self.metrics.status(f"step {step}: non-finite gradients, step skipped ({self.skipped} so far)")
 
     def step_begin(self, step: int) -> None:
+        if self._nics and self._nic_start is None:
+            self._nic_start = [nic_tx_bytes(n) for n in self._nics]
         if self.timeline is not None:
             self.timeline.step_begin(step)
 
@@ -167,8 +174,11 @@ class MetricsProcessor:
         checksums = [param_checksum(m) for m in local_models]
         # Linux reports the peak resident set in KiB: the high-water mark of this worker process.
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        sent = None
+        if self._nic_start is not None and self.step_times:
+            sent = sum(nic_tx_bytes(n) - b for n, b in zip(self._nics, self._nic_start)) / len(self.step_times)
         gathered: list[Any] = [None] * dist.get_world_size()  # processes: one per rank, or per node (thread mode)
-        dist.all_gather_object(gathered, (checksums, peak_rss_mb, shard_index))
+        dist.all_gather_object(gathered, (checksums, peak_rss_mb, shard_index, sent))
         if rank != 0:
             return None
         by_shard: dict[int, set[str]] = {}
@@ -178,6 +188,10 @@ class MetricsProcessor:
                   "param_checksum": checksums[0], "param_checksums_identical": all(len(c) == 1 for c in by_shard.values()),
                   "param_bytes": param_bytes(leader), "device": str(device), "run_dir": str(run_path),
                   "membership": self.membership, **self.accounts.summary()}
+        per_node = [g[3] for g in gathered if g[3] is not None]
+        if per_node:  # testbed: bytes each node's NICs sent per step (node order), and the busiest node's
+            result["nic_tx_bytes_per_step_by_node"] = per_node
+            result["nic_tx_bytes_per_step"] = max(per_node)
         if isinstance(self.comm, AutoCommunicator):
             result["comm_auto"] = self.comm.report()
         self._log_hparams(result)

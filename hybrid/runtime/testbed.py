@@ -73,6 +73,20 @@ def per_node_cpus(cpus: float | Sequence[float], nnodes: int) -> list[float]:
                      f"a number of CPUs in 0.1..{limit} (this machine's)", "numbers")
 
 
+def nic_tx_bytes(ifname: str) -> int:
+    """Bytes ``ifname`` has transmitted, from this network namespace's ``/proc/net/dev``."""
+    for line in Path("/proc/net/dev").read_text().splitlines()[2:]:
+        name, _, fields = line.partition(":")
+        if name.strip() == ifname:
+            return int(fields.split()[8])
+    raise ValueError(f"network interface {ifname!r} not found in /proc/net/dev")
+
+
+def testbed_nics() -> list[str]:
+    """The NICs of the testbed node this process runs on (the ones gloo is bound to); empty outside one."""
+    return [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+
+
 def nic_names(nics: int) -> list[str]:
     """The NICs of a node, as named inside its namespace: nic0, nic1, ..."""
     return [f"nic{k}" for k in range(nics)]

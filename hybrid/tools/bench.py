@@ -42,7 +42,7 @@ from typing import Any
 
 from hybrid.app.metrics import write_json_atomic
 from hybrid.core.topology import Layout
-from hybrid.runtime.testbed import MAX_NICS, per_node_rates
+from hybrid.runtime.testbed import MAX_NICS, nic_tx_bytes, per_node_rates
 from hybrid.tools.units import human_size, parse_size
 
 __all__ = ["BenchOptions", "main", "run_bench"]
@@ -70,15 +70,6 @@ class BenchOptions:
     link_mbit: list[float] = field(default_factory=list)  # the testbed's rate per node; empty = loopback
     nics_per_node: int = 1  # the testbed's NICs per node
     probe_mb: float = 4.0  # the link probe's message per direction and pair of nodes; 0: no probe
-
-
-def nic_tx_bytes(ifname: str) -> int:
-    """Bytes ``ifname`` has transmitted, from this network namespace's ``/proc/net/dev``."""
-    for line in Path("/proc/net/dev").read_text().splitlines()[2:]:
-        name, _, fields = line.partition(":")
-        if name.strip() == ifname:
-            return int(fields.split()[8])
-    raise ValueError(f"network interface {ifname!r} not found in /proc/net/dev")
 
 
 def _nic_bytes(nics: list[str]) -> list[int]:

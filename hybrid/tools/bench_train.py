@@ -42,9 +42,11 @@ from hybrid.core.topology import Layout
 
 __all__ = ["TrainBenchOptions", "bench_settings", "compose_settings", "main", "run_train_bench", "summarise"]
 
-# "hierarchical+bf16" etc.: that comm with comm.inter_compression set (its inter-node hop in 16 bits).
-BENCH_COMMS = ("ddp", "flat", "hierarchical", "sharded", "auto",
-                *(f"{c}+{k}" for c in ("hierarchical", "sharded") for k in ("bf16", "fp16")))
+# "hierarchical+bf16" etc.: that comm with comm.inter_compression set (its inter-node hop in 16 bits);
+# "ddp+fp16" etc.: plain DDP with one of torch's own hooks (comm.torch_hook); "hsdp": torch FSDP2 on a 2-D mesh.
+BENCH_COMMS = ("ddp", "flat", "hierarchical", "sharded", "auto", "hsdp",
+               *(f"{c}+{k}" for c in ("hierarchical", "sharded") for k in ("bf16", "fp16")),
+               *(f"ddp+{h}" for h in ("bf16", "fp16", "powersgd")))
 
 
 @dataclass
@@ -67,8 +69,9 @@ def compose_settings(overrides: list[str], layout: str, comm: str, steps: int, t
     parsed = Layout.parse(layout)
     if not parsed.is_uniform:
         raise ValueError(f"layout {layout!r}: the trainer runs uniform layouts only (NNODESxNPROC, e.g. 2x4)")
-    algorithm, _, compression = comm.partition("+")
-    ours = [f"comm={algorithm}", *([f"comm.inter_compression={compression}"] if compression else []),
+    algorithm, _, variant = comm.partition("+")
+    key = "comm.torch_hook" if algorithm == "ddp" else "comm.inter_compression"
+    ours = [f"comm={algorithm}", *([f"{key}={variant}"] if variant else []),
             f"cluster.nnodes={parsed.nnodes}", f"cluster.nproc_per_node={parsed.node_sizes[0]}",
             f"trainer.max_steps={steps}", f"trainer.log_every={steps}", "trainer.checkpoint_every=0",
             "trainer.resume=false", "trainer.stop_after=0"]
@@ -92,6 +95,7 @@ def _one_run(settings: Any) -> dict[str, Any]:
         "comm_s_per_step": sum(result["comm_s"].values()) / max(1, result["steps_run"]),
         "param_bytes": result["param_bytes"],
         "final_loss": result["final_loss"],
+        "nic_tx_bytes_per_step": result.get("nic_tx_bytes_per_step"),  # testbed only: the busiest node's NICs
         "runs_as": result.get("runs_as"),  # what ran: the algorithm, or comm=auto's choices by bucket size
     }
 
@@ -137,7 +141,11 @@ def summarise(opts: TrainBenchOptions, runs: dict[str, list[dict[str, Any]]]) ->
                 "samples_per_s_all": [r["samples_per_s"] for r in rs],
                 "median_step_s": statistics.median(r["median_step_s"] for r in rs),
                 "peak_rss_mb": statistics.median(max(r["peak_rss_mb"]) for r in rs),
+                "peak_rss_mb_by_rank": [statistics.median(ranks) for ranks in zip(*(r["peak_rss_mb"] for r in rs))],
                 "comm_s_per_step": statistics.median(r["comm_s_per_step"] for r in rs),
+                "final_loss": statistics.median(r["final_loss"] for r in rs),
+                **({"nic_tx_bytes_per_step": statistics.median(r["nic_tx_bytes_per_step"] for r in rs)}
+                   if all(r.get("nic_tx_bytes_per_step") is not None for r in rs) else {}),
             })
     by_key = {(row["layout"], row["comm"]): row for row in rows}
     for row in rows:
@@ -164,7 +172,8 @@ def format_table(report: dict[str, Any]) -> str:
             + (f"; overrides: {' '.join(o['overrides'])}" if o["overrides"] else ""))
     base = o["baseline"]
     cols = (f"{'layout':>7} {'comm':>12} {'samples/s':>10} {'min..max':>15} {'step ms':>8} "
-            f"{'vs ' + base:>8} {'range':>10} {'peak RSS MB':>11} {'RSS vs ' + base:>11} {'weak-scaling eff':>16}")
+            f"{'vs ' + base:>8} {'range':>10} {'peak RSS MB':>11} {'RSS vs ' + base:>11} {'weak-scaling eff':>16} "
+            f"{'NIC MB/step':>11} {'final loss':>10}")
     lines = [head, cols]
     for row in report["summary"]:
         spread = f"{min(row['samples_per_s_all']):.0f}..{max(row['samples_per_s_all']):.0f}"
@@ -173,12 +182,16 @@ def format_table(report: dict[str, Any]) -> str:
         ratio += f" {min(pr):.2f}..{max(pr):.2f}" if pr else f" {'':>10}"
         rss = f"{row['rss_vs_baseline']:11.3f}" if "rss_vs_baseline" in row else f"{'-':>11}"
         eff = f"{row['weak_scaling_efficiency']:16.1%}" if "weak_scaling_efficiency" in row else f"{'-':>16}"
+        nic = f"{row['nic_tx_bytes_per_step'] / 1e6:11.2f}" if "nic_tx_bytes_per_step" in row else f"{'-':>11}"
         lines.append(f"{row['layout']:>7} {row['comm']:>12} {row['samples_per_s']:10.1f} {spread:>15} "
-                     f"{row['median_step_s'] * 1e3:8.1f} {ratio} {row['peak_rss_mb']:11.1f} {rss} {eff}")
+                     f"{row['median_step_s'] * 1e3:8.1f} {ratio} {row['peak_rss_mb']:11.1f} {rss} {eff} {nic} "
+                     f"{row['final_loss']:10.4f}")
     lines.append(f"samples/s and step ms: medians over the rounds; vs {base}: median over the rounds of each "
                  f"round's samples/s / {base}'s in the same round (range: smallest..largest of those); peak RSS: "
-                 "the largest rank's, median over the rounds; weak-scaling eff: samples/s / (workers x the same "
-                 "comm's 1x1 samples/s)")
+                 "the largest rank's, median over the rounds (every rank's: peak_rss_mb_by_rank in the JSON); "
+                 "weak-scaling eff: samples/s / (workers x the same comm's 1x1 samples/s); NIC MB/step (testbed): "
+                 "what the busiest node's NICs sent per step; final loss: the last step's, median over the rounds "
+                 "(every configuration runs the same steps on the same data)")
     return "\n".join(lines)
 
 
