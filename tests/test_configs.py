@@ -22,7 +22,8 @@ def compose_with(*overrides: str):
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_group_option_composes_into_typed_settings_and_builds(group, option, tmp_path):
-    extra = [f"data.root={tmp_path}", "data.num_samples=64"] if group not in ("data", "experiment") or option == "synthetic" else []
+    extra = ([f"data.root={tmp_path}", "data.num_samples=64"] if group not in ("data", "experiment", "peer_model")
+             or option == "synthetic" else [])
     if (group, option) == ("data", "files"):
         np.save(tmp_path / "x.npy", np.zeros((8, 64), np.float32))
         np.save(tmp_path / "y.npy", np.arange(8) % 10)
@@ -31,11 +32,12 @@ def test_every_group_option_composes_into_typed_settings_and_builds(group, optio
         extra = ["model=transformer"]  # next-byte text is for language models (mlp refuses it in one line)
     if (group, option) == ("model", "gpt2"):
         extra += ["model.width=16", "model.depth=1"]
-    # experiment/ is not in the defaults list: it is added with +experiment=...
-    prefix = "+" if group == "experiment" else ""
+    # experiment/ and peers' groups are not in the defaults list: they are added with +experiment=... (+peer=...)
+    added = group in ("experiment", "peer", "peer_model")
+    prefix = "+" if added else ""
     settings = validate(OmegaConf.to_object(compose_with(f"{prefix}{group}={option}", *extra)))
     assert isinstance(settings, TrainConfig)
-    if group != "experiment":  # experiments are sweeps of big models: composing them is the check here
+    if group not in ("experiment", "peer_model"):  # sweeps and big models: composing them is the check here
         check_components(settings)  # every part builds, and two samples go through model and loss
 
 

@@ -13,12 +13,12 @@ from hybrid.app.config import packaged_conf_dir
 MB25 = 25 * 2**20
 
 
-def make_job(root, num, nnodes, nproc, comm, comm_s=None, step_s=1.0, finished=True, extra=None):
+def make_job(root, num, nnodes, nproc, comm, comm_s=None, step_s=1.0, finished=True, extra=None, overrides=()):
     job = root / str(num)
     (job / ".hydra").mkdir(parents=True)
     with initialize_config_dir(config_dir=str(packaged_conf_dir()), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"cluster.nnodes={nnodes}", f"cluster.nproc_per_node={nproc}",
-                                                       f"comm={comm}", "model.width=1024", "model.depth=6"])
+                                                       f"comm={comm}", "model.width=1024", "model.depth=6", *overrides])
     OmegaConf.save(cfg, job / ".hydra" / "config.yaml")  # as Hydra writes it (interpolations kept)
     if finished:
         phases = {"flat_allreduce": 0.0, "intra_reduce": 0.0, "inter_allreduce": 0.0, "intra_broadcast": 0.0}
@@ -104,3 +104,31 @@ def test_the_breakdown_stacks_compute_exposed_phases_and_the_rest_per_comm(tmp_p
     assert rows["ddp"] == ["600.0", "0.0", "0.0", "0.0", "0.0", "400.0", "0.0"]
     assert "flat" not in rows
     assert (tmp_path / "report_breakdown.png").stat().st_size > 1000
+
+
+def test_the_peers_table_sets_torchs_own_comms_beside_hybrids_with_memory_network_and_loss(tmp_path):
+    """hsdp, DDP with torch's fp16 hook and hybrid's 16-bit inter-node hop are rows of their own (not folded
+    into ddp or hierarchical), with samples/s against plain DDP, the largest rank's peak RSS, the busiest
+    node's NIC bytes per step and the final loss; torch's own comms show no hybrid phases."""
+    peers = {"peak_rss_mb": [900.0, 700.0], "nic_tx_bytes_per_step": 25e6, "final_loss": 2.0}
+    make_job(tmp_path, 0, 2, 4, "ddp", step_s=1.0, extra=peers)
+    make_job(tmp_path, 1, 2, 4, "ddp", step_s=0.8, extra={**peers, "nic_tx_bytes_per_step": 12.5e6},
+             overrides=["comm.torch_hook=fp16"])
+    make_job(tmp_path, 2, 2, 4, "hsdp", step_s=0.5, extra={**peers, "peak_rss_mb": [500.0, 400.0]})
+    make_job(tmp_path, 3, 2, 4, "hierarchical", {"intra_reduce": 0.1, "inter_allreduce": 0.2, "intra_broadcast": 0.1},
+             step_s=0.4, extra={**peers, "final_loss": 2.01}, overrides=["comm.inter_compression=bf16"])
+    out = subprocess.run([sys.executable, "-m", "hybrid.report", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = (tmp_path / "report.md").read_text()
+    peers_part = report.split("## Side by side with torch's own")[1].split("##")[0]
+    rows = {line.split("|")[3].strip(): [c.strip() for c in line.split("|")[4:-1]]
+            for line in peers_part.splitlines() if line.startswith("| mlp")}
+    assert rows["ddp"] == ["256", "1.00", "900", "25.00", "2.0000"]
+    assert rows["ddp+fp16"] == ["320", "1.25", "900", "12.50", "2.0000"]
+    assert rows["hsdp"] == ["512", "2.00", "500", "25.00", "2.0000"]
+    assert rows["hierarchical+bf16"] == ["640", "2.50", "900", "25.00", "2.0100"]
+    main = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[1:-1]]
+            for line in report.split("## Side by side")[0].splitlines() if line.startswith("| 2x4")}
+    assert main[("2x4", "hsdp")][3:8] == ["-"] * 5 and main[("2x4", "ddp+fp16")][3:8] == ["-"] * 5
+    assert main[("2x4", "hierarchical+bf16")][4] == "200.0"  # its inter phase, ms per step

@@ -201,7 +201,8 @@ class MetricsProcessor:
     def _run_facts(self, last: int) -> dict[str, Any]:
         cfg, topo = self.cfg, self.topology
         return {
-            "comm": cfg.comm.algorithm, "inter_compression": cfg.comm.inter_compression, "nnodes": topo.nnodes,
+            "comm": cfg.comm.algorithm, "inter_compression": cfg.comm.inter_compression,
+            "torch_hook": cfg.comm.torch_hook, "nnodes": topo.nnodes,
             "nproc_per_node": topo.node_sizes[0] if topo.is_uniform else list(topo.node_sizes),
             "world_size": topo.world_size, "steps": last, "steps_run": len(self.step_times),
             "final_loss": self.loss, "samples_per_step": self.samples_per_step, "skipped_steps": self.skipped,
@@ -222,7 +223,8 @@ class MetricsProcessor:
             {"nnodes": result["nnodes"], "nproc_per_node": str(result["nproc_per_node"]),
              "world_size": result["world_size"], "comm": result["comm"], "intra_mode": cfg.cluster.intra_mode,
              "bucket_mb": cfg.comm.bucket_mb,
-             "inter_compression": cfg.comm.inter_compression, "runs_as": result["runs_as"],
+             "inter_compression": cfg.comm.inter_compression, "torch_hook": cfg.comm.torch_hook,
+             "runs_as": result["runs_as"],
              "model": cfg.model.label, "width": _number(cfg.model.get("width")),
              "depth": _number(cfg.model.get("depth")), "param_bytes": result["param_bytes"],
              "batch_size": cfg.data.batch_size, "optimizer": cfg.optim.optimizer.label, "lr": _number(cfg.optim.lr)},

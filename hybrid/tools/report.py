@@ -31,7 +31,7 @@ from hybrid.core.costmodel import Level, Model, calibrate, fit_level, predict
 from hybrid.core.topology import Layout
 from hybrid.tools.report_breakdown import breakdown_table, plot_breakdown
 
-__all__ = ["Job", "load_jobs", "main", "write_report"]
+__all__ = ["Job", "comm_label", "is_reference", "load_jobs", "main", "peers_table", "write_report"]
 
 PHASE_COLUMNS = ("intra_reduce", "inter_allreduce", "intra_broadcast", "flat_allreduce")
 
@@ -78,6 +78,37 @@ def model_label(node: Any) -> str:
     return " ".join([name, *knobs])
 
 
+def comm_label(comm: Any) -> str:
+    """The comm as the bench names it: ``hierarchical+bf16`` (hybrid's 16-bit inter-node hop), ``ddp+fp16``
+    (torch's own hook on plain DDP), else the algorithm."""
+    algorithm = str(comm.algorithm)
+    variant = comm.get("torch_hook", "none") if algorithm == "ddp" else comm.get("inter_compression", "none")
+    return algorithm if variant in (None, "none") else f"{algorithm}+{variant}"
+
+
+def is_reference(comm: str) -> bool:
+    """torch's own communication (plain DDP, its hooks, FSDP2): no hybrid phases to show."""
+    return comm.split("+")[0] in ("ddp", "hsdp")
+
+
+def peers_table(jobs: list[Job]) -> list[str]:
+    """Every finished job side by side with plain DDP on its shape and model: the peers' comparison."""
+    done = [j for j in jobs if j.ok]
+    if not done:
+        return []
+    lines = ["## Side by side with torch's own (plain DDP, its hooks, HSDP)", "",
+             "| model | shape | comm | samples/s | vs ddp | peak RSS MB (largest rank) | NIC MB/step (busiest node) "
+             "| final loss |", "|" + " --- |" * 8]
+    for job in done:
+        ddp = next((d for d in done if d.comm == "ddp" and d.layout == job.layout and d.model == job.model), None)
+        m = job.metrics
+        vs = m["samples_per_s"] / ddp.metrics["samples_per_s"] if ddp else None
+        nic, rss = m.get("nic_tx_bytes_per_step"), max(m.get("peak_rss_mb") or [math.nan])
+        lines.append(f"| {job.model} | {job.layout} | {job.comm} | {m['samples_per_s']:.0f} | {_fmt(vs, 1, 2)} | "
+                     f"{_fmt(rss, 1, 0)} | {_fmt(nic, 1e-6, 2)} | {m['final_loss']:.4f} |")
+    return lines + [""]
+
+
 def load_jobs(sweep_dir: Path) -> list[Job]:
     jobs = []
     for cfg_file in sorted(sweep_dir.glob("**/.hydra/config.yaml")):
@@ -86,7 +117,7 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
         metrics_file = job_dir / "metrics.json"
         metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else None
         jobs.append(Job(
-            path=job_dir, comm=str(cfg.comm.algorithm),
+            path=job_dir, comm=comm_label(cfg.comm),
             layout=Layout.uniform(int(cfg.cluster.nnodes), int(cfg.cluster.nproc_per_node)),
             model=model_label(cfg.model), bucket_mb=float(cfg.comm.bucket_mb),
             metrics=metrics,
@@ -122,7 +153,7 @@ def auto_choice(job: Job, nbytes: float) -> str:
 
 
 def predict_job(model: Model, job: Job) -> float | None:
-    if not job.ok or job.comm == "ddp" or job.layout.world_size == 1:
+    if not job.ok or is_reference(job.comm) or job.layout.world_size == 1:
         return None
     return sum(predict(model, auto_choice(job, b) if job.comm == "auto" else job.comm, job.layout, b)["total"]
                for b in job.buckets)
@@ -193,13 +224,14 @@ def write_report(sweep_dir: Path, jobs: list[Job], model: Model | None, out_md: 
             step_up = flat.metrics["mean_step_s"] / job.metrics["mean_step_s"] if flat else None
             lines.append(
                 f"| {job.layout} | {job.comm} | {_fmt(job.metrics['mean_step_s'])} | "
-                + " | ".join("-" if job.comm == "ddp" else _fmt(job.phase_s(p)) for p in PHASE_COLUMNS)
-                + f" | {_fmt(job.comm_per_step_s) if job.comm != 'ddp' else '-'} | {job.metrics['samples_per_s']:.0f} | "
+                + " | ".join("-" if is_reference(job.comm) else _fmt(job.phase_s(p)) for p in PHASE_COLUMNS)
+                + f" | {'-' if is_reference(job.comm) else _fmt(job.comm_per_step_s)} | {job.metrics['samples_per_s']:.0f} | "
                 f"{_fmt(comm_up, 1, 2)} | {_fmt(step_up, 1, 2)} | {_fmt(job.predicted_s)} | "
                 f"{_fmt(job.extra.get('error'), 100, 0) + '%' if 'error' in job.extra else '-'} |")
         lines.append("")
     auto_lines, auto_ratios = auto_table(jobs)
     lines += auto_lines
+    lines += peers_table(jobs)
     lines += breakdown_table(jobs)
     missing = [j for j in jobs if not j.ok]
     lines += ["## Jobs without metrics (failed or still running)", ""]
@@ -227,8 +259,8 @@ def _plot(jobs: list[Job], out_png: Path) -> None:
         for row, (label, value) in enumerate((("step time", lambda j: j.metrics["mean_step_s"]),
                                               ("communication time", lambda j: j.comm_per_step_s))):
             ax = axes[row][col]
-            for comm in ("flat", "hierarchical", "sharded", "auto", "ddp"):
-                if comm == "ddp" and row == 1:
+            for comm in sorted({j.comm for j in done}, key=lambda c: (is_reference(c), c)):
+                if is_reference(comm) and row == 1:
                     continue  # torch runs DDP's own all-reduce: no phase counters
                 points = sorted((shapes.index(j.layout), value(j) * 1e3) for j in done if j.comm == comm)
                 if points:
