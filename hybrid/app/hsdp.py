@@ -75,8 +75,9 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
 def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """``fully_shard`` each unit, then the root (what is left: embeddings, heads, tied weights). In place;
-    the optimizer must be built afterwards, over the sharded parameters."""
-    for unit in shard_units(model):
+    the optimizer must be built afterwards, over the sharded parameters. Inner units first (the list is in
+    pre-order), as FSDP2 requires of nested ones."""
+    for unit in reversed(shard_units(model)):
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model

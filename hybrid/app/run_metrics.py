@@ -10,9 +10,11 @@ logged as HParams with the same keys in every run of a sweep.
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,9 @@ from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
 from hybrid.runtime.testbed import nic_tx_bytes, testbed_nics
 
-__all__ = ["MetricsProcessor", "describe_auto_calibration", "log_auto_decisions", "runs_as"]
+TAIL_STEPS = 20
+
+__all__ = ["TAIL_STEPS", "MetricsProcessor", "describe_auto_calibration", "log_auto_decisions", "runs_as"]
 
 
 def describe_auto_calibration(comm: AutoCommunicator) -> str:
@@ -121,6 +125,9 @@ class MetricsProcessor:
         # step of each comm, measured at the NIC, not by the comm's own counters (hsdp and ddp have none).
         self._nics = testbed_nics() if cfg.cluster.testbed.enabled and topology.local_rank == 0 else []
         self._nic_start: list[int] | None = None
+        # The last TAIL_STEPS steps' losses of every rank: the run's end loss over 8 x 20 batches on 2x4, where
+        # final_loss (rank 0's last batch) is one batch's, too noisy to rank comms that differ in rounding.
+        self._tail_losses: deque[torch.Tensor] = deque(maxlen=TAIL_STEPS)
 
     def step_skipped(self, step: int) -> None:
         self.skipped += 1
@@ -141,6 +148,7 @@ class MetricsProcessor:
         """Account step ``done`` (1-based); every ``log_every`` steps and at ``last``, log it (and exchange the
         interval's per-rank accounts: collective)."""
         self.step_times.append(seconds)
+        self._tail_losses.append(loss.detach())  # no host sync here: averaged once, at the end
         self._interval_steps += 1
         phases = self._phases = self.counters.snapshot(reset=True)
         for name, stats in phases.items():
@@ -178,7 +186,8 @@ class MetricsProcessor:
         if self._nic_start is not None and self.step_times:
             sent = sum(nic_tx_bytes(n) - b for n, b in zip(self._nics, self._nic_start)) / len(self.step_times)
         gathered: list[Any] = [None] * dist.get_world_size()  # processes: one per rank, or per node (thread mode)
-        dist.all_gather_object(gathered, (checksums, peak_rss_mb, shard_index, sent))
+        tail = float(torch.stack(list(self._tail_losses)).mean()) if self._tail_losses else math.nan
+        dist.all_gather_object(gathered, (checksums, peak_rss_mb, shard_index, sent, tail))
         if rank != 0:
             return None
         by_shard: dict[int, set[str]] = {}
@@ -188,6 +197,8 @@ class MetricsProcessor:
                   "param_checksum": checksums[0], "param_checksums_identical": all(len(c) == 1 for c in by_shard.values()),
                   "param_bytes": param_bytes(leader), "device": str(device), "run_dir": str(run_path),
                   "membership": self.membership, **self.accounts.summary()}
+        result["tail_loss"] = statistics.fmean(g[4] for g in gathered)
+        result["tail_loss_steps"] = len(self._tail_losses)
         per_node = [g[3] for g in gathered if g[3] is not None]
         if per_node:  # testbed: bytes each node's NICs sent per step (node order), and the busiest node's
             result["nic_tx_bytes_per_step_by_node"] = per_node

@@ -95,6 +95,7 @@ def _one_run(settings: Any) -> dict[str, Any]:
         "comm_s_per_step": sum(result["comm_s"].values()) / max(1, result["steps_run"]),
         "param_bytes": result["param_bytes"],
         "final_loss": result["final_loss"],
+        "tail_loss": result.get("tail_loss", float("nan")),
         "nic_tx_bytes_per_step": result.get("nic_tx_bytes_per_step"),  # testbed only: the busiest node's NICs
         "runs_as": result.get("runs_as"),  # what ran: the algorithm, or comm=auto's choices by bucket size
     }
@@ -144,6 +145,7 @@ def summarise(opts: TrainBenchOptions, runs: dict[str, list[dict[str, Any]]]) ->
                 "peak_rss_mb_by_rank": [statistics.median(ranks) for ranks in zip(*(r["peak_rss_mb"] for r in rs))],
                 "comm_s_per_step": statistics.median(r["comm_s_per_step"] for r in rs),
                 "final_loss": statistics.median(r["final_loss"] for r in rs),
+                "tail_loss": statistics.median(r.get("tail_loss", float("nan")) for r in rs),
                 **({"nic_tx_bytes_per_step": statistics.median(r["nic_tx_bytes_per_step"] for r in rs)}
                    if all(r.get("nic_tx_bytes_per_step") is not None for r in rs) else {}),
             })
@@ -173,7 +175,7 @@ def format_table(report: dict[str, Any]) -> str:
     base = o["baseline"]
     cols = (f"{'layout':>7} {'comm':>12} {'samples/s':>10} {'min..max':>15} {'step ms':>8} "
             f"{'vs ' + base:>8} {'range':>10} {'peak RSS MB':>11} {'RSS vs ' + base:>11} {'weak-scaling eff':>16} "
-            f"{'NIC MB/step':>11} {'final loss':>10}")
+            f"{'NIC MB/step':>11} {'final loss':>10} {'tail loss':>10}")
     lines = [head, cols]
     for row in report["summary"]:
         spread = f"{min(row['samples_per_s_all']):.0f}..{max(row['samples_per_s_all']):.0f}"
@@ -185,13 +187,14 @@ def format_table(report: dict[str, Any]) -> str:
         nic = f"{row['nic_tx_bytes_per_step'] / 1e6:11.2f}" if "nic_tx_bytes_per_step" in row else f"{'-':>11}"
         lines.append(f"{row['layout']:>7} {row['comm']:>12} {row['samples_per_s']:10.1f} {spread:>15} "
                      f"{row['median_step_s'] * 1e3:8.1f} {ratio} {row['peak_rss_mb']:11.1f} {rss} {eff} {nic} "
-                     f"{row['final_loss']:10.4f}")
+                     f"{row['final_loss']:10.4f} {row['tail_loss']:10.4f}")
     lines.append(f"samples/s and step ms: medians over the rounds; vs {base}: median over the rounds of each "
                  f"round's samples/s / {base}'s in the same round (range: smallest..largest of those); peak RSS: "
                  "the largest rank's, median over the rounds (every rank's: peak_rss_mb_by_rank in the JSON); "
                  "weak-scaling eff: samples/s / (workers x the same comm's 1x1 samples/s); NIC MB/step (testbed): "
-                 "what the busiest node's NICs sent per step; final loss: the last step's, median over the rounds "
-                 "(every configuration runs the same steps on the same data)")
+                 "what the busiest node's NICs sent per step; final loss: rank 0's last step's, tail loss: every rank's "
+                 "last 20 steps' mean loss, medians over the rounds (every configuration runs the same steps on the "
+                 "same data)")
     return "\n".join(lines)
 
 
