@@ -110,13 +110,16 @@ def test_the_peers_table_sets_torchs_own_comms_beside_hybrids_with_memory_networ
     """hsdp, DDP with torch's fp16 hook and hybrid's 16-bit inter-node hop are rows of their own (not folded
     into ddp or hierarchical), with samples/s against plain DDP, the largest rank's peak RSS, the busiest
     node's NIC bytes per step and the final loss; torch's own comms show no hybrid phases."""
-    peers = {"peak_rss_mb": [900.0, 700.0], "nic_tx_bytes_per_step": 25e6, "final_loss": 2.0}
+    peers = {"peak_rss_mb": [900.0, 700.0], "nic_tx_bytes_per_step": 25e6, "final_loss": 2.0, "tail_loss": 2.5}
     make_job(tmp_path, 0, 2, 4, "ddp", step_s=1.0, extra=peers)
     make_job(tmp_path, 1, 2, 4, "ddp", step_s=0.8, extra={**peers, "nic_tx_bytes_per_step": 12.5e6},
              overrides=["comm.torch_hook=fp16"])
     make_job(tmp_path, 2, 2, 4, "hsdp", step_s=0.5, extra={**peers, "peak_rss_mb": [500.0, 400.0]})
     make_job(tmp_path, 3, 2, 4, "hierarchical", {"intra_reduce": 0.1, "inter_allreduce": 0.2, "intra_broadcast": 0.1},
              step_s=0.4, extra={**peers, "final_loss": 2.01}, overrides=["comm.inter_compression=bf16"])
+    # A plain hierarchical job calibrates the cost model, which then prices jobs: not the 16-bit ones.
+    make_job(tmp_path, 4, 2, 4, "hierarchical", {"intra_reduce": 0.1, "inter_allreduce": 0.4, "intra_broadcast": 0.1},
+             step_s=0.6, extra=peers)
     out = subprocess.run([sys.executable, "-m", "hybrid.report", str(tmp_path)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
@@ -124,10 +127,10 @@ def test_the_peers_table_sets_torchs_own_comms_beside_hybrids_with_memory_networ
     peers_part = report.split("## Side by side with torch's own")[1].split("##")[0]
     rows = {line.split("|")[3].strip(): [c.strip() for c in line.split("|")[4:-1]]
             for line in peers_part.splitlines() if line.startswith("| mlp")}
-    assert rows["ddp"] == ["256", "1.00", "900", "25.00", "2.0000"]
-    assert rows["ddp+fp16"] == ["320", "1.25", "900", "12.50", "2.0000"]
-    assert rows["hsdp"] == ["512", "2.00", "500", "25.00", "2.0000"]
-    assert rows["hierarchical+bf16"] == ["640", "2.50", "900", "25.00", "2.0100"]
+    assert rows["ddp"] == ["256", "1.00", "900", "25.00", "2.0000", "2.5000"]
+    assert rows["ddp+fp16"] == ["320", "1.25", "900", "12.50", "2.0000", "2.5000"]
+    assert rows["hsdp"] == ["512", "2.00", "500", "25.00", "2.0000", "2.5000"]
+    assert rows["hierarchical+bf16"] == ["640", "2.50", "900", "25.00", "2.0100", "2.5000"]
     main = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[1:-1]]
             for line in report.split("## Side by side")[0].splitlines() if line.startswith("| 2x4")}
     assert main[("2x4", "hsdp")][3:8] == ["-"] * 5 and main[("2x4", "ddp+fp16")][3:8] == ["-"] * 5

@@ -164,21 +164,18 @@ def check_components(cfg: TrainConfig) -> None:
                              "parameters (no gradient): nothing to train")
 
 
-# DDP's first bucket holds at most 1 MiB (torch's _DEFAULT_FIRST_BUCKET_BYTES), whatever comm.bucket_mb says.
-_DDP_FIRST_BUCKET_BYTES = 2**20
-
-
 def check_powersgd_buckets(cfg: TrainConfig, gradient_bytes: int) -> None:
     """torch's powerSGD_hook issues its second all-reduce from the first one's completion callback. On gloo
     those callbacks run on gloo's threads, so with two or more buckets in flight the ranks issue the
     all-reduces in different orders and gloo aborts (measured: 2x2, 6 buckets, at the first compressed step;
-    the hazard in DESIGN.md). Refused before start unless every gradient fits DDP's one bucket; NCCL is fine."""
+    the hazard in DESIGN.md). Refused before start unless every gradient fits DDP's one bucket (hybrid passes
+    bucket_cap_mb, so DDP's first bucket is capped at it too, not at torch's 1 MiB default); NCCL is fine."""
     if cfg.comm.torch_hook != "powersgd" or _uses_nccl(cfg):
         return
-    one_bucket = min(_DDP_FIRST_BUCKET_BYTES, int(cfg.comm.bucket_mb * 2**20))
+    one_bucket = int(cfg.comm.bucket_mb * 2**20)
     if gradient_bytes > one_bucket:
         raise ValueError(f"comm.torch_hook=powersgd on gloo: this model's {gradient_bytes / 2**20:.2f} MiB of "
-                         f"gradients make more than one DDP bucket ({one_bucket / 2**20:.2f} MiB fit one), and "
+                         f"gradients make more than one DDP bucket (comm.bucket_mb={cfg.comm.bucket_mb:g}), and "
                          "torch's PowerSGD hook then aborts on gloo (its second all-reduce is issued from gloo's "
                          "callbacks, in a different order per rank): use NCCL on CUDA, or comm.torch_hook=fp16")
 

@@ -18,9 +18,11 @@ manifests and resume of :mod:`hybrid.app.checkpoint` hold for it too.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,13 +43,19 @@ MESH_DIMS = ("replicate", "shard")
 STATE_DICT_KIND = "torch.distributed.checkpoint"
 
 
-def hsdp_mesh(topology: Topology, device: torch.device) -> DeviceMesh:
+def hsdp_mesh(topology: Topology, device: torch.device, timeout_s: float) -> DeviceMesh:
     """The mesh of global ranks, one row per node: dimension 0 replicates across nodes, dimension 1 shards
-    inside one. Built from the topology rather than assumed node-major. Collective."""
+    inside one. Built from the topology rather than assumed node-major, over groups made here so that their
+    collectives fail after ``comm.timeout_s`` like every other comm's (DeviceMesh's own groups would take
+    torch's backend default: 30 min on gloo). Collective."""
     if not topology.is_uniform:
         raise ValueError(f"comm=hsdp needs the same number of workers on every node, not {list(topology.node_sizes)}")
-    ranks = torch.tensor([list(node) for node in topology.nodes], dtype=torch.int)
-    return DeviceMesh(device.type, ranks, mesh_dim_names=MESH_DIMS)
+    rows = [list(node) for node in topology.nodes]
+    timeout = timedelta(seconds=timeout_s)
+    replicate, _ = dist.new_subgroups_by_enumeration([list(column) for column in zip(*rows)], timeout=timeout)
+    shard, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout)
+    return DeviceMesh.from_group([replicate, shard], device.type, mesh=torch.tensor(rows, dtype=torch.int),
+                                 mesh_dim_names=MESH_DIMS)
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:

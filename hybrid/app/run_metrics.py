@@ -125,6 +125,7 @@ class MetricsProcessor:
         # step of each comm, measured at the NIC, not by the comm's own counters (hsdp and ddp have none).
         self._nics = testbed_nics() if cfg.cluster.testbed.enabled and topology.local_rank == 0 else []
         self._nic_start: list[int] | None = None
+        self._nic_end: list[int] | None = None  # read after the last step: the final checkpoint's gather is not a step
         # The last TAIL_STEPS steps' losses of every rank: the run's end loss over 8 x 20 batches on 2x4, where
         # final_loss (rank 0's last batch) is one batch's, too noisy to rank comms that differ in rounding.
         self._tail_losses: deque[torch.Tensor] = deque(maxlen=TAIL_STEPS)
@@ -155,6 +156,8 @@ class MetricsProcessor:
             self.totals[name][0] += stats.seconds
             self.totals[name][1] += stats.bytes
         self.accounts.add(done, seconds, self.recorder.end_step())
+        if done == last and self._nic_start is not None:
+            self._nic_end = [nic_tx_bytes(n) for n in self._nics]
         if done % self.cfg.trainer.log_every and done != last:
             return
         self.accounts.exchange()
@@ -184,7 +187,8 @@ class MetricsProcessor:
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         sent = None
         if self._nic_start is not None and self.step_times:
-            sent = sum(nic_tx_bytes(n) - b for n, b in zip(self._nics, self._nic_start)) / len(self.step_times)
+            end = self._nic_end or [nic_tx_bytes(n) for n in self._nics]
+            sent = sum(b - a for a, b in zip(self._nic_start, end)) / len(self.step_times)
         gathered: list[Any] = [None] * dist.get_world_size()  # processes: one per rank, or per node (thread mode)
         tail = float(torch.stack(list(self._tail_losses)).mean()) if self._tail_losses else math.nan
         dist.all_gather_object(gathered, (checksums, peak_rss_mb, shard_index, sent, tail))

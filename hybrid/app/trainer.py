@@ -127,13 +127,15 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
             if isinstance(comm, AutoCommunicator):
                 metrics.status(describe_auto_calibration(comm))
             hook = register_comm_hook(ddp, comm)
-        else:
-            register_torch_hook(ddp, cfg.comm)  # comm.torch_hook; none: DDP's own all-reduce
         feedback = error_feedback.ErrorFeedback.attach(run.residual_signature, comm, run.residuals, device)
         # The first real step already sees DDP's rebuilt buckets, as every later one does: a resumed run
         # then sums each element in the order the uninterrupted run did, and residuals keyed by bucket apply.
         x, y = sample_batch(run.dataset, cfg.data.batch_size, device)
         settle_buckets(ddp, hook, lambda: batch_loss(ddp, x, y, run.loss_fn).backward())
+        if comm is None:
+            # comm.torch_hook (none: DDP's own all-reduce), after the settling backward, which would otherwise
+            # count as one of PowerSGD's warm-up iterations.
+            register_torch_hook(ddp, cfg.comm)
         replicas = RankReplica(ddp, run.streams[0], device, run.loss_fn, cfg.trainer.precision, counters.recorder)
         result = train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, feedback,
                                   comm)
@@ -154,10 +156,9 @@ def train_hsdp(cfg: TrainConfig, topology: Topology, device: torch.device, run_p
                rank: int) -> dict[str, Any] | None:
     """comm=hsdp: this rank's shards of the model under torch FSDP2 on a (nodes, workers per node) mesh; the
     same loop, checkpoints (through torch's distributed state-dict API) and metrics as every other comm."""
-    # The mesh's groups live as long as the default group: torch's DeviceMesh keeps them for later meshes
-    # of the same ranks, so they are not destroyed here.
+    # The mesh's groups live as long as the default group (FSDP2 may still hold them after the run).
     run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank,
-                 ShardedState(hsdp_mesh(topology, device)))
+                 ShardedState(hsdp_mesh(topology, device, cfg.comm.timeout_s)))
     counters = PhaseCounters(StepRecorder(PHASES))  # no hybrid phases: FSDP2's collectives sit inside the loop parts
     replicas = HsdpReplica(run.model, run.streams[0], device, run.loss_fn, topology.local_rank,
                            cfg.trainer.precision, counters.recorder)

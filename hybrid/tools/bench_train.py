@@ -193,8 +193,8 @@ def format_table(report: dict[str, Any]) -> str:
                  "the largest rank's, median over the rounds (every rank's: peak_rss_mb_by_rank in the JSON); "
                  "weak-scaling eff: samples/s / (workers x the same comm's 1x1 samples/s); NIC MB/step (testbed): "
                  "what the busiest node's NICs sent per step; final loss: rank 0's last step's, tail loss: every rank's "
-                 "last 20 steps' mean loss, medians over the rounds (every configuration runs the same steps on the "
-                 "same data)")
+                 "last 20 steps' mean loss (thread mode: every node's leader's), medians over the rounds (every "
+                 "configuration runs the same steps on the same data)")
     return "\n".join(lines)
 
 

@@ -98,14 +98,15 @@ def peers_table(jobs: list[Job]) -> list[str]:
         return []
     lines = ["## Side by side with torch's own (plain DDP, its hooks, HSDP)", "",
              "| model | shape | comm | samples/s | vs ddp | peak RSS MB (largest rank) | NIC MB/step (busiest node) "
-             "| final loss |", "|" + " --- |" * 8]
+             "| final loss | tail loss (last 20 steps, all ranks) |", "|" + " --- |" * 9]
     for job in done:
         ddp = next((d for d in done if d.comm == "ddp" and d.layout == job.layout and d.model == job.model), None)
         m = job.metrics
         vs = m["samples_per_s"] / ddp.metrics["samples_per_s"] if ddp else None
         nic, rss = m.get("nic_tx_bytes_per_step"), max(m.get("peak_rss_mb") or [math.nan])
         lines.append(f"| {job.model} | {job.layout} | {job.comm} | {m['samples_per_s']:.0f} | {_fmt(vs, 1, 2)} | "
-                     f"{_fmt(rss, 1, 0)} | {_fmt(nic, 1e-6, 2)} | {m['final_loss']:.4f} |")
+                     f"{_fmt(rss, 1, 0)} | {_fmt(nic, 1e-6, 2)} | {m['final_loss']:.4f} | "
+                     f"{_fmt(m.get('tail_loss'), 1, 4)} |")
     return lines + [""]
 
 
@@ -153,8 +154,8 @@ def auto_choice(job: Job, nbytes: float) -> str:
 
 
 def predict_job(model: Model, job: Job) -> float | None:
-    if not job.ok or is_reference(job.comm) or job.layout.world_size == 1:
-        return None
+    if not job.ok or is_reference(job.comm) or "+" in job.comm or job.layout.world_size == 1:
+        return None  # torch's own comms, and 16-bit hops, which the cost model does not price
     return sum(predict(model, auto_choice(job, b) if job.comm == "auto" else job.comm, job.layout, b)["total"]
                for b in job.buckets)
 
