@@ -30,7 +30,7 @@ from torch.distributed.fsdp import fully_shard
 
 from hybrid.app.data import BatchStream
 from hybrid.app.losses import LossFn, batch_loss, move_to
-from hybrid.app.replicas import autocast_for
+from hybrid.app.replicas import SHARDED_STATE_KIND, autocast_for
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
 
@@ -38,9 +38,7 @@ __all__ = ["MESH_DIMS", "STATE_DICT_KIND", "HsdpReplica", "ShardedState", "full_
            "shard_model", "shard_units"]
 
 MESH_DIMS = ("replicate", "shard")
-# Recorded in a checkpoint written through torch's state-dict API (optimizer state keyed by parameter name,
-# where torch's Optimizer.state_dict keys it by position): which loader a resume needs.
-STATE_DICT_KIND = "torch.distributed.checkpoint"
+STATE_DICT_KIND = SHARDED_STATE_KIND  # recorded in this comm's checkpoints (see hybrid.app.replicas)
 
 
 def hsdp_mesh(topology: Topology, device: torch.device, timeout_s: float) -> DeviceMesh:

@@ -4,20 +4,20 @@ every replica still holds the same parameters."""
 from __future__ import annotations
 
 import hashlib
+import sys
 from contextlib import nullcontext
 from typing import Any, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app.data import BatchStream
 from hybrid.app.losses import LossFn, batch_loss, move_to
 from hybrid.core.timeline import StepRecorder
 
-__all__ = ["PlainState", "RankReplica", "ReplicaDivergence", "Replicas", "StateAccess", "autocast_for",
+__all__ = ["SHARDED_STATE_KIND", "PlainState", "RankReplica", "ReplicaDivergence", "Replicas", "StateAccess", "autocast_for",
            "check_replicas", "grads_finite", "local_part", "param_checksum"]
 
 
@@ -66,6 +66,11 @@ class StateAccess(Protocol):
     def load(self, model: nn.Module, optimizer: Any, model_state: dict[str, Any],
              optimizer_state: dict[str, Any]) -> None:
         """Load full state dicts (every rank has them)."""
+
+
+# state_dict_kind of a checkpoint written through torch's distributed state-dict API (comm=hsdp: optimizer state
+# keyed by parameter name, where torch's Optimizer.state_dict keys it by position): which loader a resume needs.
+SHARDED_STATE_KIND = "torch.distributed.checkpoint"
 
 
 class PlainState:
@@ -137,9 +142,16 @@ def param_checksum(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor (comm=hsdp). Looked up where torch.distributed.tensor is already loaded (comm=hsdp loads it):
+    importing it costs every worker process about 0.6 s of CPU, which the other comms need not pay."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded tensor (comm=hsdp's DTensors); the tensor itself where it is whole."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if _is_sharded(tensor) else tensor
 
 
 def grads_finite(model: nn.Module) -> bool:
@@ -148,7 +160,7 @@ def grads_finite(model: nn.Module) -> bool:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     sums = [local_part(g).sum() for g in grads]
     finite = not sums or bool(torch.stack(sums).isfinite().all())
-    if any(isinstance(g, DTensor) for g in grads):
+    if any(_is_sharded(g) for g in grads):
         bad = torch.tensor([0.0 if finite else 1.0], device=sums[0].device)
         dist.all_reduce(bad)
         finite = bad.item() == 0

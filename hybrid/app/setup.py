@@ -22,12 +22,11 @@ from hybrid.app.checkpoint import checkpoint_steps, load_checkpoint
 from hybrid.app.components import Component, ComponentError, first_line
 from hybrid.app.config import COMM_ALGORITHMS, DataConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
 from hybrid.app.data import BatchStream
-from hybrid.app.hsdp import STATE_DICT_KIND
 from hybrid.app.losses import LossFn, move_to
 from hybrid.app.membership import RunLayout, apply_lr_policy, describe_change, history_after_resume, start_history
 from hybrid.app.metrics import Metrics
 from hybrid.app.optim import build_optimizer, build_scheduler
-from hybrid.app.replicas import PlainState, StateAccess
+from hybrid.app.replicas import SHARDED_STATE_KIND, PlainState, StateAccess
 from hybrid.runtime.distributed import broadcast_from_rank0
 
 __all__ = ["Training", "build_loss", "build_model", "build_training", "device_for", "load_dataset", "restore_training",
@@ -118,12 +117,12 @@ def check_state_kind(saved: str, wanted: str, where: str) -> None:
     parameter name) loads only that way, and one of ``Module.state_dict`` (every other comm) only that way.
     ``wanted``: this run's kind, or its comm (hsdp or another)."""
     if wanted in COMM_ALGORITHMS:
-        wanted = STATE_DICT_KIND if wanted == "hsdp" else PlainState.kind
+        wanted = SHARDED_STATE_KIND if wanted == "hsdp" else PlainState.kind
     if saved != wanted:
         def by(kind: str) -> str:
-            return "comm=hsdp" if kind == STATE_DICT_KIND else "a comm other than hsdp"
+            return "comm=hsdp" if kind == SHARDED_STATE_KIND else "a comm other than hsdp"
         raise ValueError(f"trainer.resume={where!r} was written by {by(saved)} ({saved} state dicts); this run "
-                         f"needs {by(wanted)}'s: resume it with comm={'hsdp' if saved == STATE_DICT_KIND else 'ddp'} "
+                         f"needs {by(wanted)}'s: resume it with comm={'hsdp' if saved == SHARDED_STATE_KIND else 'ddp'} "
                          "or another comm of its kind")
 
 

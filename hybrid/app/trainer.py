@@ -26,7 +26,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app import error_feedback
 from hybrid.app.config import TrainConfig
-from hybrid.app.hsdp import HsdpReplica, ShardedState, hsdp_mesh
 from hybrid.app.loop import train_and_report
 from hybrid.app.losses import batch_loss
 from hybrid.app.metrics import Metrics, NullMetrics, TensorBoardMetrics
@@ -156,6 +155,10 @@ def train_hsdp(cfg: TrainConfig, topology: Topology, device: torch.device, run_p
                rank: int) -> dict[str, Any] | None:
     """comm=hsdp: this rank's shards of the model under torch FSDP2 on a (nodes, workers per node) mesh; the
     same loop, checkpoints (through torch's distributed state-dict API) and metrics as every other comm."""
+    # Imported here, not at the top: FSDP2 and torch.distributed.checkpoint cost every worker process about
+    # 1.2 s of CPU to import, which runs of the other comms (and the test suite's hundreds of workers) need not pay.
+    from hybrid.app.hsdp import HsdpReplica, ShardedState, hsdp_mesh
+
     # The mesh's groups live as long as the default group (FSDP2 may still hold them after the run).
     run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank,
                  ShardedState(hsdp_mesh(topology, device, cfg.comm.timeout_s)))
