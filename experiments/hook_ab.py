@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hybrid.app.models import MLP  # noqa: E402
+from hybrid.app.components.models import MLP  # noqa: E402
 from hybrid.core.comm import CommGroups, make_communicator, register_comm_hook  # noqa: E402
 from hybrid.core.topology import WorkerEnv, discover_topology  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Where comm=hsdp's step goes, against comm=sharded, on the same 2x4 layout (issue 21's "why", measured).
 
-Runs the trainer's own per-rank code (hybrid.app.trainer.train_worker) for a few steps under torch.profiler on
+Runs the trainer's own per-rank code (hybrid.app.worker.train_worker) for a few steps under torch.profiler on
 every rank and prints rank 0's top operators by self CPU time, for each comm. Loopback (no testbed): the network
 is not the limit here, so what differs is what each comm does besides sending bytes across nodes.
 
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def profiled_run(overrides: list[str], run_dir: str) -> str | None:
     from hybrid.app.checks import compose_train_config
-    from hybrid.app.metrics import NullMetrics
-    from hybrid.app.trainer import train_worker
+    from hybrid.app.observability.metrics import NullMetrics
+    from hybrid.app.worker import train_worker
     from hybrid.core.topology import discover_topology
     from hybrid.runtime.distributed import init_distributed, shutdown_distributed
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from hybrid.app.datasets import synthetic
-from hybrid.app.models import MLP
+from hybrid.app.components.datasets import synthetic
+from hybrid.app.components.models import MLP
 
 
 class IndexedVectors(Dataset):

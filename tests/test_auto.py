@@ -155,7 +155,7 @@ class _Recorder:
 
 
 def test_each_new_decision_goes_to_tensorboard_once_with_its_predictions():
-    from hybrid.app.run_metrics import describe_auto_calibration, log_auto_decisions
+    from hybrid.app.observability.run_metrics import describe_auto_calibration, log_auto_decisions
 
     model = Model(Level(2e-3, 8 / 100e9), Level(10e-6, 8 / 1e9))
     auto = _auto(Topology(0, ((0, 1), (2, 3))), model)

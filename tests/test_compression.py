@@ -93,7 +93,7 @@ def test_residuals_move_through_a_state_dict_and_continue_exactly():
 def test_residuals_return_to_their_rank_only_into_a_run_of_the_same_signature():
     import torch.distributed as dist
 
-    from hybrid.app.error_feedback import ErrorFeedback, restore_residuals
+    from hybrid.app.state.error_feedback import ErrorFeedback, restore_residuals
 
     sig = {"comm": "sharded", "inter_compression": "bf16", "intra_mode": "process", "node_sizes": [1],
            "bucket_mb": 1.0, "chunk_bytes": 4096}

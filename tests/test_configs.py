@@ -83,7 +83,7 @@ def test_bad_comm_settings_name_the_value_and_what_is_allowed(field, value, need
 def test_a_built_in_components_label_is_its_config_name():
     """metrics.json, TensorBoard and the report name a run's parts by their _target_ (lower case): for the
     shipped ones that is the name users pick them by."""
-    from hybrid.app.components import label_of
+    from hybrid.app.targets import label_of
 
     for group in ("model", "data", "loss", "optim"):
         for option in GROUPS[group]:

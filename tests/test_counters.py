@@ -18,7 +18,7 @@ def test_ring_byte_formulas():
 
 def test_hierarchical_sends_fewer_bytes_across_nodes_than_flat():
     # 2 nodes x 4: a node-by-node flat ring pushes 2(N-1)/N S through each NIC,
-    # the leaders' ring 2(n-1)/n S (TESTBED.md: 1.75 S vs 1.0 S).
+    # the leaders' ring 2(n-1)/n S (1.75 S vs 1.0 S).
     size = 25 * 2**20
     assert allreduce_bytes(size, 8) / allreduce_bytes(size, 2) == pytest.approx(1.75)
 

@@ -16,6 +16,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hybrid"
 LAYERS = ("core", "runtime", "app", "tools")  # lowest first
 ENTRY_POINTS = {"hybrid.train", "hybrid.bench", "hybrid.report", "hybrid.costmodel"}
 CORE_MUST_NOT_IMPORT = ("hydra", "omegaconf", "tensorboard", "torch.utils.tensorboard")
+# Inside the app, lowest first: the two base modules, then the rooms (sub-packages). Each imports only from
+# itself and what comes before it; the app's other top-level modules (the entry point, worker, set-up, loop,
+# checks) run the job and may import any of them, and none of these imports those.
+APP_ROOMS = ("hybrid.app.targets", "hybrid.app.config", "hybrid.app.components", "hybrid.app.state",
+             "hybrid.app.replicas", "hybrid.app.observability")
 
 
 def _modules() -> dict[str, Path]:
@@ -82,6 +87,31 @@ def test_imports_go_only_downward(module):
     assert upward == [], f"{module} ({layer_of(module)}) imports from above: {upward}"
 
 
+def app_room_of(module: str) -> int | None:
+    """The index of ``module``'s room in APP_ROOMS; len(APP_ROOMS) for the app's other top-level modules;
+    None outside the app."""
+    if layer_of(module) != "app" or module == "hybrid.app":
+        return None
+    for i, room in enumerate(APP_ROOMS):
+        if module == room or module.startswith(room + "."):
+            return i
+    return len(APP_ROOMS)
+
+
+def test_every_app_module_is_in_a_room_or_runs_the_job():
+    """Modules of the app's top level are few and named; everything else sits in a room."""
+    top = sorted(m for m in MODULES if app_room_of(m) == len(APP_ROOMS))
+    assert top == ["hybrid.app.checks", "hybrid.app.loop", "hybrid.app.setup", "hybrid.app.slurm_launcher",
+                   "hybrid.app.train", "hybrid.app.worker"]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if app_room_of(m) is not None))
+def test_app_rooms_import_only_from_rooms_before_them(module):
+    room = app_room_of(module)
+    upward = sorted(dep for dep in GRAPH[module] if app_room_of(dep) is not None and app_room_of(dep) > room)
+    assert upward == [], f"{module} imports from a room after its own: {upward}"
+
+
 def test_the_core_imports_neither_hydra_nor_tensorboard():
     offenders = {m: sorted(n for n in imports_of(m)[1] if n.startswith(CORE_MUST_NOT_IMPORT))
                  for m in MODULES if layer_of(m) == "core"}
@@ -134,7 +164,8 @@ def test_the_checks_can_fail():
     ``--help`` fast), and the cycle finder finds a cycle."""
     top_level = {n.module for n in ast.parse(MODULES["hybrid.tools.bench_train"].read_text()).body
                  if isinstance(n, ast.ImportFrom)}
-    assert "hybrid.app.trainer" not in top_level and "hybrid.app.trainer" in GRAPH["hybrid.tools.bench_train"]
+    assert "hybrid.app.worker" not in top_level and "hybrid.app.worker" in GRAPH["hybrid.tools.bench_train"]
+    assert app_room_of("hybrid.app.components.models") < app_room_of("hybrid.app.replicas.rank") < app_room_of("hybrid.app.worker")
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

@@ -16,7 +16,7 @@ from once import once
 from readme_example import write_example
 
 from hybrid.app.checks import check_components, compose_train_config
-from hybrid.app.node_parallel import replica_topology
+from hybrid.app.replicas.node_threads import replica_topology
 from hybrid.core.topology import Topology
 
 ROOT = Path(tempfile.mkdtemp(prefix="hybrid-node-parallel-tests-"))
@@ -157,7 +157,7 @@ def test_replica_topology_numbers_replicas_as_process_mode_ranks():
 def test_an_in_process_replica_that_drifts_is_named_by_its_global_rank():
     import torch.distributed as dist
 
-    from hybrid.app.replicas import ReplicaDivergence, check_replicas
+    from hybrid.app.replicas.rank import ReplicaDivergence, check_replicas
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

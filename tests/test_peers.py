@@ -10,7 +10,7 @@ import torch
 from test_trainer import job, model_state, settings
 
 from hybrid.app.checks import check_components, check_devices, check_resume
-from hybrid.app.hsdp import shard_units
+from hybrid.app.replicas.hsdp import shard_units
 from hybrid.app.setup import build_model
 
 

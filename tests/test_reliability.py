@@ -19,7 +19,7 @@ import reliability_targets
 import torch
 from test_launch import left_after
 
-from hybrid.app.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
+from hybrid.app.state.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
 from hybrid.core.topology import Layout
 from hybrid.runtime.launch import launch_local
 from hybrid.runtime.testbed import testbed_available

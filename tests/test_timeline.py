@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hybrid.app.config import TrainerConfig
-from hybrid.app.step_accounts import find_straggler
+from hybrid.app.observability.step_accounts import find_straggler
 from hybrid.core.comm import PHASES, PhaseCounters
 from hybrid.core.comm.link_probe import LinkReport, round_robin
 from hybrid.core.timeline import COMPUTE, StepRecorder, bucket_scope, chrome_trace

@@ -15,14 +15,14 @@ import train_workers
 from once import once
 from readme_example import write_example
 
-from hybrid.app.checkpoint import load_checkpoint, save_checkpoint
 from hybrid.app.checks import check_components, compose_train_config
-from hybrid.app.components import Component
+from hybrid.app.components.data import ArrayDataset, BatchStream
+from hybrid.app.components.datasets import DatasetSpec, check_arrays, ensure_synthetic
+from hybrid.app.components.optim import build_optimizer, lr_factor
 from hybrid.app.config import OptimConfig, TrainConfig
-from hybrid.app.data import ArrayDataset, BatchStream
-from hybrid.app.datasets import DatasetSpec, check_arrays, ensure_synthetic
-from hybrid.app.optim import build_optimizer, lr_factor
 from hybrid.app.setup import build_model, load_dataset
+from hybrid.app.state.checkpoint import load_checkpoint, save_checkpoint
+from hybrid.app.targets import Component
 from hybrid.runtime.launch import launch_local
 
 ROOT = Path(tempfile.mkdtemp(prefix="hybrid-trainer-tests-"))
@@ -393,7 +393,7 @@ def test_checkpoint_is_atomic_and_weights_only(tmp_path):
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
 def test_each_model_trains_on_its_synthetic_data(name, tmp_path):
-    from hybrid.app.models import param_bytes
+    from hybrid.app.components.models import param_bytes
 
     def built(width: int) -> tuple[TrainConfig, torch.nn.Module]:
         cfg = compose_train_config([f"model={name}", f"model.width={width}", "model.depth=2",

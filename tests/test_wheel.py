@@ -90,7 +90,7 @@ def test_a_sweep_and_a_users_config_dir_work_from_anywhere(installed):
     python, workdir = installed
     mine = workdir / "myconf" / "model"
     mine.mkdir(parents=True)
-    (mine / "tiny.yaml").write_text("_target_: hybrid.app.models.MLP\nin_features: ${data.features}\nwidth: 8\n"
+    (mine / "tiny.yaml").write_text("_target_: hybrid.app.components.models.MLP\nin_features: ${data.features}\nwidth: 8\n"
                                      "depth: 2\nclasses: ${data.classes}\n")
     sweep = workdir / "sweep"
     out = _run(python, ["-m", "hybrid.train", "-m", "--config-dir", str(workdir / "myconf"), "model=tiny", "comm=flat,ddp",

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from hybrid.app.config import TrainConfig
-from hybrid.app.metrics import NullMetrics
-from hybrid.app.trainer import train_worker
+from hybrid.app.observability.metrics import NullMetrics
+from hybrid.app.worker import train_worker
 from hybrid.core.topology import discover_topology
 from hybrid.runtime.distributed import init_distributed, shutdown_distributed
 

@@ -21,8 +21,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hybrid.app.checkpoint import CHECKPOINT_NAME, checkpoint_steps, latest_manifest
-from hybrid.app.components import ComponentError, first_line
+from hybrid.app.components.losses import batch_loss
+from hybrid.app.components.models import param_bytes
+from hybrid.app.components.optim import check_optimizer
 from hybrid.app.config import (
     TrainConfig,
     TrainSchema,
@@ -32,11 +33,10 @@ from hybrid.app.config import (
     resume_target,
     validate,
 )
-from hybrid.app.losses import batch_loss
-from hybrid.app.models import param_bytes
-from hybrid.app.optim import check_optimizer
-from hybrid.app.replicas import PlainState
+from hybrid.app.replicas.rank import PlainState
 from hybrid.app.setup import build_loss, build_model, check_state_kind, load_dataset, sample_batch
+from hybrid.app.state.checkpoint import CHECKPOINT_NAME, checkpoint_steps, latest_manifest
+from hybrid.app.targets import ComponentError, first_line
 from hybrid.runtime.cpu_limit import CpuLimitError, cgroup_root
 from hybrid.runtime.slurm import in_submitit_task
 from hybrid.runtime.testbed import testbed_available
@@ -167,8 +167,8 @@ def check_components(cfg: TrainConfig) -> None:
 def check_powersgd_buckets(cfg: TrainConfig, gradient_bytes: int) -> None:
     """torch's powerSGD_hook issues its second all-reduce from the first one's completion callback. On gloo
     those callbacks run on gloo's threads, so with two or more buckets in flight the ranks issue the
-    all-reduces in different orders and gloo aborts (measured: 2x2, 6 buckets, at the first compressed step;
-    the hazard in DESIGN.md). Refused before start unless every gradient fits DDP's one bucket (hybrid passes
+    all-reduces in different orders and gloo aborts (2x2 with 6 buckets aborts at the first compressed
+    step). Refused before start unless every gradient fits DDP's one bucket (hybrid passes
     bucket_cap_mb, so DDP's first bucket is capped at it too, not at torch's 1 MiB default); NCCL is fine."""
     if cfg.comm.torch_hook != "powersgd" or _uses_nccl(cfg):
         return

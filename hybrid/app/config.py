@@ -18,14 +18,23 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hybrid.app.components import Component, component_of, label_of
-from hybrid.app.datasets import SYNTHETIC_TARGET, TEXT_KIND, TEXT_TARGET
-from hybrid.app.models import INPUT_KIND
+from hybrid.app.targets import Component, component_of, current_target, label_of
 from hybrid.core.comm.compression import INTER_COMPRESSIONS
 from hybrid.core.comm.groups import BACKENDS
 from hybrid.core.comm.registry import CHOOSABLE, COMPRESSIBLE
 from hybrid.core.topology import Layout
 from hybrid.runtime.testbed import MAX_NICS, per_node_cpus, per_node_rates
+
+# The built-in components this module knows by their _target_: which inputs each model takes (a generated
+# dataset, data=synthetic with kind auto, makes these), and the two built-in datasets that pairing rules name.
+INPUT_KIND = {
+    "hybrid.app.components.models.MLP": "vectors",
+    "hybrid.app.components.models.CNN": "images",
+    "hybrid.app.components.models.Transformer": "tokens",
+    "hybrid.app.components.models.gpt2": "tokens",
+}
+SYNTHETIC_TARGET = "hybrid.app.components.datasets.synthetic"
+TEXT_TARGET, TEXT_KIND = "hybrid.app.components.datasets.text", "tokens"
 
 __all__ = [
     "COMM_ALGORITHMS",
@@ -99,7 +108,7 @@ class ClusterConfig:
     # last_call_timeout); a node that is lost is declared dead after ~3 s without a heartbeat.
     rdzv_last_call_s: int = 10
     # process: one process per device; thread: one process per node drives its nproc_per_node devices
-    # (nn.DataParallel-style replicas in threads; hybrid.app.node_parallel)
+    # (nn.DataParallel-style replicas in threads; hybrid.app.replicas.node_threads)
     intra_mode: str = "process"
     # hydra/launcher=slurm: the rendezvous port on the job's first host (firewalled sites); 0: derived from
     # the Slurm job id (20000-31999), so concurrent jobs sharing a first host rarely meet on one port
@@ -109,7 +118,7 @@ class ClusterConfig:
 
 # "ddp" is torch DDP's own all-reduce (no hook, or one of torch's own hooks, comm.torch_hook): the reference
 # every algorithm is checked against; "hsdp" is torch FSDP2 on a (nodes, workers per node) mesh, the peer a
-# user would try first (hybrid.app.hsdp); "auto" picks flat, hierarchical or sharded per bucket size from a
+# user would try first (hybrid.app.replicas.hsdp); "auto" picks flat, hierarchical or sharded per bucket size from a
 # cost model calibrated at start-up.
 REFERENCE_COMMS = ("ddp", "hsdp")
 COMM_ALGORITHMS = (*CHOOSABLE, *REFERENCE_COMMS)
@@ -380,6 +389,7 @@ def check_pairing(model_target: Any, data_target: Any, data_kind: Any) -> None:
     """Refuse a built-in dataset that a built-in model cannot train on. Needs only the two ``_target_`` and
     ``data.kind``, so it runs before interpolations are resolved (mlp's ``${data.features}`` on text data
     would otherwise be the first error)."""
+    model_target, data_target = current_target(model_target), current_target(data_target)
     takes = INPUT_KIND.get(model_target)
     kind = TEXT_KIND if data_target == TEXT_TARGET else data_kind
     if takes is None or kind in (None, "auto", "any") or kind == takes:

@@ -17,16 +17,16 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from hybrid.app import error_feedback
-from hybrid.app.checkpoint import checkpoint_steps, load_checkpoint
-from hybrid.app.components import Component, ComponentError, first_line
+from hybrid.app.components.data import BatchStream
+from hybrid.app.components.losses import LossFn, move_to
+from hybrid.app.components.optim import build_optimizer, build_scheduler
 from hybrid.app.config import COMM_ALGORITHMS, DataConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
-from hybrid.app.data import BatchStream
-from hybrid.app.losses import LossFn, move_to
-from hybrid.app.membership import RunLayout, apply_lr_policy, describe_change, history_after_resume, start_history
-from hybrid.app.metrics import Metrics
-from hybrid.app.optim import build_optimizer, build_scheduler
-from hybrid.app.replicas import SHARDED_STATE_KIND, PlainState, StateAccess
+from hybrid.app.observability.metrics import Metrics
+from hybrid.app.replicas.rank import SHARDED_STATE_KIND, PlainState, StateAccess
+from hybrid.app.state import error_feedback
+from hybrid.app.state.checkpoint import checkpoint_steps, load_checkpoint
+from hybrid.app.state.membership import RunLayout, apply_lr_policy, describe_change, history_after_resume, start_history
+from hybrid.app.targets import Component, ComponentError, current_target, first_line
 from hybrid.runtime.distributed import broadcast_from_rank0
 
 __all__ = ["Training", "build_loss", "build_model", "build_training", "device_for", "load_dataset", "restore_training",
@@ -105,8 +105,10 @@ def build_training(model_cfg: Component, optim: OptimConfig, trainer: TrainerCon
 
 def _check_resumable(state: dict[str, Any], model: Component, where: Path, kind: str) -> None:
     """The checkpoint must hold this model, written the way this run reads state (``kind``); any world size
-    will do (see :mod:`hybrid.app.membership`)."""
+    will do (see :mod:`hybrid.app.state.membership`)."""
     saved_model = state.get("model_config")
+    if isinstance(saved_model, dict) and "_target_" in saved_model:  # written before a built-in model moved
+        saved_model = {**saved_model, "_target_": current_target(saved_model["_target_"])}
     if saved_model != model.node:
         raise ValueError(f"trainer.resume={str(where)!r} holds model {saved_model}, this run has {model.node}")
     check_state_kind(state.get("state_dict_kind", PlainState.kind), kind, str(where))
@@ -132,9 +134,9 @@ def restore_training(trainer: TrainerConfig, model_config: Component, run_path: 
                      access: StateAccess | None = None) -> tuple[int, dict[str, Any] | None, list[dict[str, Any]]]:
     """Load ``trainer.resume``'s checkpoint (or, after an elastic restart, this run's last one) into these
     objects; return the step to start at (0: a fresh run), this rank's error-feedback residuals where
-    the checkpoint has them for a run of signature ``residual_signature`` (see :mod:`hybrid.app.error_feedback`;
+    the checkpoint has them for a run of signature ``residual_signature`` (see :mod:`hybrid.app.state.error_feedback`;
     None: this run does not compress), and the run's layout history. The checkpoint may come from another
-    layout (:mod:`hybrid.app.membership`). ``access``: how model and optimizer state load (default: their
+    layout (:mod:`hybrid.app.state.membership`). ``access``: how model and optimizer state load (default: their
     own ``load_state_dict``). Collective over the default group."""
     access = access or PlainState()
     start_step, mine, history = 0, None, start_history(now)
@@ -187,7 +189,7 @@ class Training:
     residual_signature: dict[str, Any] | None
     residuals: dict[str, Any] | None
     layout: RunLayout
-    membership: list[dict[str, Any]]  # the layout history, this run's last (see hybrid.app.membership)
+    membership: list[dict[str, Any]]  # the layout history, this run's last (see hybrid.app.state.membership)
     state: StateAccess  # how checkpoints read and load the model and optimizer
 
 
@@ -197,7 +199,7 @@ def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_
     """Build a run's training state for the replicas of global ranks ``stream_ranks`` (one in process mode,
     a node's in thread mode), restoring a checkpoint where the run resumes. Collective over the default
     group (``process_rank`` is this process's rank there). ``state``: how the model is prepared and its
-    state read and loaded (default :class:`~hybrid.app.replicas.PlainState`; comm=hsdp shards)."""
+    state read and loaded (default :class:`~hybrid.app.replicas.rank.PlainState`; comm=hsdp shards)."""
     state = state or PlainState()
     dataset = load_dataset(cfg.data)
     model, optimizer, scheduler = build_training(cfg.model, cfg.optim, cfg.trainer, device, state)

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from hybrid.app.checks import check_run_dir, check_torchrun_layout, precheck, prepare, settings_of, torchrun_restart, under_torchrun
 from hybrid.app.config import CONF_PACKAGE, ClusterConfig, TrainConfig
-from hybrid.app.trainer import run_worker
+from hybrid.app.worker import run_worker
 from hybrid.runtime.launch import launch_local
 from hybrid.runtime.slurm import SlurmNode, in_submitit_task
 from hybrid.runtime.testbed import LinkShape, Testbed

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybrid.app.metrics import write_json_atomic
+from hybrid.app.observability.metrics import write_json_atomic
 from hybrid.core.topology import Layout
 from hybrid.runtime.testbed import MAX_NICS, nic_tx_bytes, per_node_rates
 from hybrid.tools.units import human_size, parse_size

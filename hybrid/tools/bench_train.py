@@ -1,7 +1,7 @@
 """Train-mode benchmark: ``python -m hybrid.bench train --layouts 2x2 --comms ddp,flat model.width=1024``.
 
 Where the communicator benchmark times one collective, this one runs the
-trainer itself (:func:`hybrid.app.trainer.run_worker`, the code ``python -m
+trainer itself (:func:`hybrid.app.worker.run_worker`, the code ``python -m
 hybrid.train`` runs) for ``--steps`` steps per configuration, so overlap of
 communication with backward, DDP's bucketing, the comm hook's hand-off and
 memory all count. One invocation runs every (layout, comm) configuration
@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybrid.app.metrics import write_json_atomic
+from hybrid.app.observability.metrics import write_json_atomic
 from hybrid.core.topology import Layout
 
 __all__ = ["TrainBenchOptions", "bench_settings", "compose_settings", "main", "run_train_bench", "summarise"]
@@ -82,7 +82,7 @@ def compose_settings(overrides: list[str], layout: str, comm: str, steps: int, t
 
 def _one_run(settings: Any) -> dict[str, Any]:
     from hybrid.app.train import launch_job
-    from hybrid.app.trainer import run_worker
+    from hybrid.app.worker import run_worker
 
     with tempfile.TemporaryDirectory(prefix="hybrid-bench-train-") as run_dir:
         result = launch_job(settings, run_worker, (settings, run_dir))[0]

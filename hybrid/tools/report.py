@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from hybrid.app.components import label_of
+from hybrid.app.targets import label_of
 from hybrid.core.costmodel import Level, Model, calibrate, fit_level, predict
 from hybrid.core.topology import Layout
 from hybrid.tools.report_breakdown import breakdown_table, plot_breakdown

@@ -2,7 +2,7 @@
 
 In data parallelism every replica holds the whole model, so a checkpoint
 resumes on any world size: the data position is kept in global samples
-(:class:`hybrid.app.data.GlobalOrderSampler`), the per-worker batch stays, and
+(:class:`hybrid.app.components.data.GlobalOrderSampler`), the per-worker batch stays, and
 so the global batch changes with the world size. What follows from that is
 decided here, once, and said in one line: the learning rate is kept or
 scaled by new / old global batch (``trainer.elastic_lr``), error-feedback

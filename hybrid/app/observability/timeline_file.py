@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hybrid.app.metrics import Metrics, write_json_atomic
+from hybrid.app.observability.metrics import Metrics, write_json_atomic
 from hybrid.core.clock import ClockOffset, align_to_rank0
 from hybrid.core.comm import PhaseStats
 from hybrid.core.timeline import StepRecorder, chrome_trace

@@ -9,8 +9,8 @@ from typing import Iterable
 
 import torch
 
-from hybrid.app.components import ComponentError
 from hybrid.app.config import OptimConfig
+from hybrid.app.targets import ComponentError
 
 __all__ = ["build_optimizer", "build_scheduler", "check_optimizer", "lr_factor"]
 

@@ -8,8 +8,8 @@ resume) and the end of the run (parameter checksums) exchange a little over
 the default group; nothing else synchronises.
 
 With ``cluster.intra_mode=thread`` a worker is a whole node driving its
-devices' replicas (:mod:`hybrid.app.node_parallel`); both modes build their
-state with :func:`hybrid.app.setup.set_up` and step it with
+devices' replicas (:func:`train_thread_mode`, over :mod:`hybrid.app.replicas.node_threads`); every mode
+builds its state with :func:`hybrid.app.setup.set_up` and steps it with
 :func:`hybrid.app.loop.train_loop`.
 """
 
@@ -18,22 +18,24 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hybrid.app import error_feedback
+from hybrid.app.components.losses import batch_loss
 from hybrid.app.config import TrainConfig
 from hybrid.app.loop import train_and_report
-from hybrid.app.losses import batch_loss
-from hybrid.app.metrics import Metrics, NullMetrics, TensorBoardMetrics
-from hybrid.app.node_parallel import train_thread_mode
-from hybrid.app.replicas import RankReplica
-from hybrid.app.run_metrics import describe_auto_calibration
+from hybrid.app.observability.metrics import Metrics, NullMetrics, TensorBoardMetrics
+from hybrid.app.observability.run_metrics import describe_auto_calibration
+from hybrid.app.replicas.node_threads import NodeProcessCommunicator, NodeReplicas, replica_topology
+from hybrid.app.replicas.rank import RankReplica
+from hybrid.app.replicas.torch_hooks import register_torch_hook
 from hybrid.app.setup import device_for, sample_batch, set_up
-from hybrid.app.torch_hooks import register_torch_hook
+from hybrid.app.state import error_feedback
 from hybrid.core.comm import (
     PHASES,
     AutoCommunicator,
@@ -44,11 +46,12 @@ from hybrid.core.comm import (
     register_comm_hook,
     settle_buckets,
 )
+from hybrid.core.comm.groups import resolve_backend
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology, discover_topology
 from hybrid.runtime.distributed import broadcast_from_rank0, init_distributed, shutdown_distributed
 
-__all__ = ["buffer_sync", "run_worker", "train_hsdp", "train_process_mode", "train_worker"]
+__all__ = ["buffer_sync", "run_worker", "train_hsdp", "train_process_mode", "train_thread_mode", "train_worker"]
 
 
 _BUFFER_SYNC_KEY = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
@@ -155,9 +158,9 @@ def train_hsdp(cfg: TrainConfig, topology: Topology, device: torch.device, run_p
                rank: int) -> dict[str, Any] | None:
     """comm=hsdp: this rank's shards of the model under torch FSDP2 on a (nodes, workers per node) mesh; the
     same loop, checkpoints (through torch's distributed state-dict API) and metrics as every other comm."""
-    # Imported here, not at the top: FSDP2 and torch.distributed.checkpoint cost every worker process about
-    # 1.2 s of CPU to import, which runs of the other comms (and the test suite's hundreds of workers) need not pay.
-    from hybrid.app.hsdp import HsdpReplica, ShardedState, hsdp_mesh
+    # Imported here, not at the top: FSDP2 and torch.distributed.checkpoint cost every worker process seconds of
+    # CPU to import (experiments/RESULTS.md), which runs of the other comms need not pay.
+    from hybrid.app.replicas.hsdp import HsdpReplica, ShardedState, hsdp_mesh
 
     # The mesh's groups live as long as the default group (FSDP2 may still hold them after the run).
     run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank,
@@ -169,3 +172,46 @@ def train_hsdp(cfg: TrainConfig, topology: Topology, device: torch.device, run_p
         return train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, None)
     finally:
         replicas.close()
+
+
+def train_thread_mode(cfg: TrainConfig, processes: Topology, device: torch.device, run_path: Path,
+               metrics: Metrics) -> dict[str, Any] | None:
+    """Train this node's replicas; the process of node 0 returns the final metrics (also in metrics.json)."""
+    if set(processes.node_sizes) != {1}:
+        raise ValueError(
+            f"cluster.intra_mode=thread runs one process per node, but the nodes have {list(processes.node_sizes)} "
+            "processes: start torchrun with --nproc-per-node 1"
+        )
+    per_node = cfg.cluster.nproc_per_node
+    if device.type == "cuda":
+        if per_node > torch.cuda.device_count():
+            raise ValueError(f"cluster.nproc_per_node={per_node} but this node has {torch.cuda.device_count()} "
+                             "GPU(s): one replica per GPU")
+        devices = [torch.device("cuda", i) for i in range(per_node)]
+    else:
+        devices = [device] * per_node
+    topology = replica_topology(processes, per_node)
+    run = set_up(cfg, topology.node_ranks, topology.world_size, topology.node_sizes, devices[0], run_path, metrics,
+                 processes.rank)
+    # The gradients' own group (not the default one, which carries the loop's start-up and checksum exchanges).
+    backend = resolve_backend(cfg.comm.inter_backend, "inter")
+    group = dist.new_group(backend=backend, timeout=timedelta(seconds=cfg.comm.timeout_s))
+    comm = NodeProcessCommunicator(topology, group, backend, cfg.comm.timeout_s, devices[0],
+                                   inter_compression=cfg.comm.inter_compression)
+    feedback = error_feedback.ErrorFeedback.attach(run.residual_signature, comm, run.residuals, devices[0])
+    replicas = NodeReplicas(run.model, devices, run.streams, comm, bucket_bytes=max(1, int(cfg.comm.bucket_mb * 2**20)),
+                            timeout_s=cfg.comm.timeout_s,
+                            threads_per_replica=max(1, torch.get_num_threads() // per_node),
+                            loss_fn=run.loss_fn, precision=cfg.trainer.precision)
+    finished = False
+    try:
+        result = train_and_report(cfg, run, replicas, topology, metrics, replicas.counters, run_path, topology.rank,
+                                  devices[0], feedback)
+        finished = True
+        return result
+    finally:
+        replicas.close()
+        if finished:
+            # On failure the group's sockets close when this process exits, after its error is recorded
+            # (as the process-mode trainer does): peers that fail on them then come second.
+            dist.destroy_process_group(group)

@@ -2,7 +2,7 @@
 
 Any map-style ``torch.utils.data.Dataset`` of ``(input, target)`` pairs will
 do (a user's own, built from ``data._target_``, or one of the shipped ones in
-:mod:`hybrid.app.datasets`). :class:`BatchStream` knows its position as
+:mod:`hybrid.app.components.datasets`). :class:`BatchStream` knows its position as
 (epoch, samples consumed by all ranks), so a run resumes mid-epoch on exactly
 the samples it would have read next, on the same layout or another one
 (:class:`GlobalOrderSampler`).

@@ -13,7 +13,7 @@ not a hybrid communicator: ``bucket_mb`` and the backends do not apply
 Checkpoints go through torch's distributed state-dict API
 (``torch.distributed.checkpoint.state_dict``, full state dicts gathered to
 rank 0) into hybrid's ordinary checkpoint files, so the atomic writes,
-manifests and resume of :mod:`hybrid.app.checkpoint` hold for it too.
+manifests and resume of :mod:`hybrid.app.state.checkpoint` hold for it too.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from hybrid.app.data import BatchStream
-from hybrid.app.losses import LossFn, batch_loss, move_to
-from hybrid.app.replicas import SHARDED_STATE_KIND, autocast_for
+from hybrid.app.components.data import BatchStream
+from hybrid.app.components.losses import LossFn, batch_loss, move_to
+from hybrid.app.replicas.rank import SHARDED_STATE_KIND, autocast_for
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
 
@@ -38,7 +38,7 @@ __all__ = ["MESH_DIMS", "STATE_DICT_KIND", "HsdpReplica", "ShardedState", "full_
            "shard_model", "shard_units"]
 
 MESH_DIMS = ("replicate", "shard")
-STATE_DICT_KIND = SHARDED_STATE_KIND  # recorded in this comm's checkpoints (see hybrid.app.replicas)
+STATE_DICT_KIND = SHARDED_STATE_KIND  # recorded in this comm's checkpoints (see hybrid.app.replicas.rank)
 
 
 def hsdp_mesh(topology: Topology, device: torch.device, timeout_s: float) -> DeviceMesh:
@@ -103,7 +103,7 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_st
 
 
 class ShardedState:
-    """:class:`hybrid.app.replicas.StateAccess` for comm=hsdp: shard the model on ``mesh``; read and load
+    """:class:`hybrid.app.replicas.rank.StateAccess` for comm=hsdp: shard the model on ``mesh``; read and load
     state through torch's distributed state-dict API (full state dicts, rank 0's on the CPU)."""
 
     kind = STATE_DICT_KIND

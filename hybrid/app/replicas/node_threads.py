@@ -39,28 +39,20 @@ import threading
 import time
 from contextlib import nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from hybrid.app import error_feedback
-from hybrid.app.config import TrainConfig
-from hybrid.app.data import BatchStream
-from hybrid.app.loop import train_and_report
-from hybrid.app.losses import LossFn, batch_loss, move_to
-from hybrid.app.metrics import Metrics
-from hybrid.app.replicas import autocast_for
-from hybrid.app.setup import set_up
+from hybrid.app.components.data import BatchStream
+from hybrid.app.components.losses import LossFn, batch_loss, move_to
+from hybrid.app.replicas.rank import autocast_for
 from hybrid.core.comm import CommGroups, Communicator, PhaseCounters
 from hybrid.core.comm.counters import rooted_bytes
-from hybrid.core.comm.groups import resolve_backend
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
 
-__all__ = ["NodeProcessCommunicator", "NodeReplicas", "replica_topology", "train_thread_mode"]
+__all__ = ["NodeProcessCommunicator", "NodeReplicas", "replica_topology"]
 
 
 def replica_topology(processes: Topology, per_node: int) -> Topology:
@@ -70,49 +62,6 @@ def replica_topology(processes: Topology, per_node: int) -> Topology:
     """
     nodes = tuple(tuple(range(n * per_node, (n + 1) * per_node)) for n in range(processes.nnodes))
     return Topology(rank=processes.node * per_node, nodes=nodes)
-
-
-def train_thread_mode(cfg: TrainConfig, processes: Topology, device: torch.device, run_path: Path,
-               metrics: Metrics) -> dict[str, Any] | None:
-    """Train this node's replicas; the process of node 0 returns the final metrics (also in metrics.json)."""
-    if set(processes.node_sizes) != {1}:
-        raise ValueError(
-            f"cluster.intra_mode=thread runs one process per node, but the nodes have {list(processes.node_sizes)} "
-            "processes: start torchrun with --nproc-per-node 1"
-        )
-    per_node = cfg.cluster.nproc_per_node
-    if device.type == "cuda":
-        if per_node > torch.cuda.device_count():
-            raise ValueError(f"cluster.nproc_per_node={per_node} but this node has {torch.cuda.device_count()} "
-                             "GPU(s): one replica per GPU")
-        devices = [torch.device("cuda", i) for i in range(per_node)]
-    else:
-        devices = [device] * per_node
-    topology = replica_topology(processes, per_node)
-    run = set_up(cfg, topology.node_ranks, topology.world_size, topology.node_sizes, devices[0], run_path, metrics,
-                 processes.rank)
-    # The gradients' own group (not the default one, which carries the loop's start-up and checksum exchanges).
-    backend = resolve_backend(cfg.comm.inter_backend, "inter")
-    group = dist.new_group(backend=backend, timeout=timedelta(seconds=cfg.comm.timeout_s))
-    comm = NodeProcessCommunicator(topology, group, backend, cfg.comm.timeout_s, devices[0],
-                                   inter_compression=cfg.comm.inter_compression)
-    feedback = error_feedback.ErrorFeedback.attach(run.residual_signature, comm, run.residuals, devices[0])
-    replicas = NodeReplicas(run.model, devices, run.streams, comm, bucket_bytes=max(1, int(cfg.comm.bucket_mb * 2**20)),
-                            timeout_s=cfg.comm.timeout_s,
-                            threads_per_replica=max(1, torch.get_num_threads() // per_node),
-                            loss_fn=run.loss_fn, precision=cfg.trainer.precision)
-    finished = False
-    try:
-        result = train_and_report(cfg, run, replicas, topology, metrics, replicas.counters, run_path, topology.rank,
-                                  devices[0], feedback)
-        finished = True
-        return result
-    finally:
-        replicas.close()
-        if finished:
-            # On failure the group's sockets close when this process exits, after its error is recorded
-            # (as the process-mode trainer does): peers that fail on them then come second.
-            dist.destroy_process_group(group)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -11,18 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid.app.components import require_int
+from hybrid.app.targets import require_int
 
-__all__ = ["CNN", "INPUT_KIND", "MLP", "HFCausalLM", "Transformer", "gpt2", "param_bytes"]
-
-# What each built-in model takes, by its _target_: a generated dataset (data=synthetic, kind auto) makes these.
-INPUT_KIND = {
-    "hybrid.app.models.MLP": "vectors",
-    "hybrid.app.models.CNN": "images",
-    "hybrid.app.models.Transformer": "tokens",
-    "hybrid.app.models.gpt2": "tokens",
-}
-
+__all__ = ["CNN", "MLP", "HFCausalLM", "Transformer", "gpt2", "param_bytes"]
 
 def _check_sizes(**sizes: int) -> None:
     """One line naming the config key (``model.width``) of a size that is not a positive integer."""

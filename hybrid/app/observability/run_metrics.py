@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybrid.app.components.models import param_bytes
 from hybrid.app.config import TrainConfig
-from hybrid.app.metrics import Metrics, write_json_atomic
-from hybrid.app.models import param_bytes
-from hybrid.app.replicas import param_checksum
-from hybrid.app.step_accounts import StepAccounts
-from hybrid.app.timeline_file import TimelineFile
+from hybrid.app.observability.metrics import Metrics, write_json_atomic
+from hybrid.app.observability.step_accounts import StepAccounts
+from hybrid.app.observability.timeline_file import TimelineFile
+from hybrid.app.replicas.rank import param_checksum
 from hybrid.core.comm import MODEL_LEVELS, PHASES, AutoCommunicator, Communicator, PhaseCounters
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hybrid.app.data import BatchStream
-from hybrid.app.losses import LossFn, batch_loss, move_to
+from hybrid.app.components.data import BatchStream
+from hybrid.app.components.losses import LossFn, batch_loss, move_to
 from hybrid.core.timeline import StepRecorder
 
 __all__ = ["SHARDED_STATE_KIND", "PlainState", "RankReplica", "ReplicaDivergence", "Replicas", "StateAccess", "autocast_for",
@@ -31,7 +31,7 @@ def autocast_for(device: torch.device, precision: str) -> Any:
 
 class Replicas(Protocol):
     """What the loop steps: this rank's DDP model (:class:`RankReplica`), or a node's replicas driven by
-    one process (``cluster.intra_mode=thread``, :class:`hybrid.app.node_parallel.NodeReplicas`)."""
+    one process (``cluster.intra_mode=thread``, :class:`hybrid.app.replicas.node_threads.NodeReplicas`)."""
 
     module: nn.Module  # the parameters the optimizer steps, checkpoints and checksums see
     # Ranks with the same shard_index must hold bit-identical parameters: all of them (0) where every rank
@@ -52,7 +52,7 @@ class Replicas(Protocol):
 class StateAccess(Protocol):
     """How a run's model and optimizer state is read for a checkpoint and loaded from one: torch's
     ``state_dict`` methods (:class:`PlainState`), or torch's distributed state-dict API for a sharded model
-    (:class:`hybrid.app.hsdp.ShardedState`). ``kind`` is recorded in the checkpoint: a resume must load it
+    (:class:`hybrid.app.replicas.hsdp.ShardedState`). ``kind`` is recorded in the checkpoint: a resume must load it
     the way it was written."""
 
     kind: str
@@ -144,7 +144,7 @@ def param_checksum(model: nn.Module) -> str:
 
 def _is_sharded(tensor: torch.Tensor) -> bool:
     """A DTensor (comm=hsdp). Looked up where torch.distributed.tensor is already loaded (comm=hsdp loads it):
-    importing it costs every worker process about 0.6 s of CPU, which the other comms need not pay."""
+    importing it costs every worker process CPU time (experiments/RESULTS.md) that the other comms need not pay."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
 

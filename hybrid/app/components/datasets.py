@@ -36,15 +36,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from hybrid.app.components import require_int
-from hybrid.app.data import ArrayDataset
+from hybrid.app.components.data import ArrayDataset
+from hybrid.app.targets import require_int
 
 __all__ = ["DatasetSpec", "check_arrays", "ensure_synthetic", "files", "load_arrays", "synthetic", "text",
            "text_arrays"]
 
 KINDS = ("vectors", "images", "tokens")
-SYNTHETIC_TARGET = "hybrid.app.datasets.synthetic"
-TEXT_TARGET, TEXT_KIND = "hybrid.app.datasets.text", "tokens"
 # What data=text reads when data.text_files is empty: the Python documentation's topics, shipped with CPython.
 DEFAULT_TEXT = os.path.join(sysconfig.get_paths()["stdlib"], "pydoc_data", "topics.py")
 # Part of every synthetic dataset's directory name: bump it when _generate

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid.app.metrics import Metrics
+from hybrid.app.observability.metrics import Metrics
 from hybrid.core.comm import PHASES
 from hybrid.core.timeline import COMPUTE, SEGMENTS, StepTimes
 from hybrid.core.topology import Topology

@@ -25,7 +25,15 @@ from typing import Any
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
-__all__ = ["Component", "ComponentError", "component_of", "first_line", "label_of", "require_int"]
+__all__ = ["Component", "ComponentError", "component_of", "current_target", "first_line", "label_of", "require_int"]
+
+# Where hybrid's built-in components lived before the app was split into sub-packages: configs, sweeps and
+# checkpoints written then name these paths, and keep working (they are read as today's).
+MOVED_MODULES = {
+    "hybrid.app.models.": "hybrid.app.components.models.",
+    "hybrid.app.datasets.": "hybrid.app.components.datasets.",
+    "hybrid.app.losses.": "hybrid.app.components.losses.",
+}
 
 # Keys of a node that instantiate reads itself (besides _target_); they stay with the target's arguments.
 HYDRA_KEYS = ("_partial_", "_recursive_", "_convert_", "_args_")
@@ -113,6 +121,15 @@ def require_int(key: str, value: Any, low: int) -> None:
         raise ValueError(f"{key}={value!r} must be an integer >= {low}")
 
 
+def current_target(target: Any) -> Any:
+    """``target`` with a built-in component's former module path replaced by today's (anything else as is)."""
+    if isinstance(target, str):
+        for old, new in MOVED_MODULES.items():
+            if target.startswith(old):
+                return new + target[len(old):]
+    return target
+
+
 def locate_problem(target: str) -> str | None:
     """Why ``target`` (``pkg.module.Name``) cannot be found, or None when it can: the module that does not
     exist, the name a module lacks, or the error importing a module raised."""
@@ -159,7 +176,7 @@ def component_of(key: str, node: Any, own: dict[str, Any] | None = None) -> tupl
     if not isinstance(node, dict):
         raise ComponentError(f"{key}={node!r} is not a config node: give {key}._target_ and its arguments")
     own = own or {}
-    target = node.get("_target_")
+    target = current_target(node.get("_target_"))
     if not isinstance(target, str) or not target:
         raise ComponentError(f"{key} has no _target_: give {key}._target_=<import path of a class or function> "
                              f"(or pick one of the shipped {key} configs)")
