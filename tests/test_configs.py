@@ -89,3 +89,32 @@ def test_a_built_in_components_label_is_its_config_name():
         for option in GROUPS[group]:
             target = OmegaConf.load(CONF / group / f"{option}.yaml")["_target_"]
             assert label_of(target) == option, (group, option, target)
+
+
+@pytest.mark.parametrize("model,loss,data", [
+    ("hybrid.app.models.MLP", "hybrid.app.losses.cross_entropy", "hybrid.app.datasets.synthetic"),
+    ("hybrid.app.models.Transformer", "hybrid.app.losses.cross_entropy", "hybrid.app.datasets.text"),
+])
+def test_a_config_naming_the_former_module_paths_still_builds(model, loss, data, tmp_path):
+    """Configs and sweeps written before the built-in components moved into hybrid.app.components name
+    hybrid.app.models.MLP and friends: they compose, pair (a text model with data=text) and build as today's."""
+    text = data.endswith("text")
+    where = [] if text else [f"data.root={tmp_path}", "data.num_samples=64"]
+    cfg = compose_with("data=text" if text else "data=synthetic", "model=transformer" if text else "model=mlp",
+                       f"model._target_={model}", f"loss._target_={loss}",
+                       f"data._target_={data}", *where, "model.width=16", "model.depth=1")
+    settings = validate(OmegaConf.to_object(cfg))
+    assert settings.model.target == model.replace("hybrid.app.", "hybrid.app.components.")
+    assert settings.loss.target == loss.replace("hybrid.app.", "hybrid.app.components.")
+    check_components(settings)
+
+
+def test_a_checkpoint_naming_a_former_model_path_resumes_and_another_model_does_not(tmp_path):
+    from hybrid.app.replicas.rank import PlainState
+    from hybrid.app.setup import _check_resumable
+    from hybrid.app.targets import Component
+
+    model = Component("model", "hybrid.app.components.models.MLP", {"width": 16})
+    _check_resumable({"model_config": {"_target_": "hybrid.app.models.MLP", "width": 16}}, model, tmp_path, PlainState.kind)
+    with pytest.raises(ValueError, match="holds model"):
+        _check_resumable({"model_config": {"_target_": "hybrid.app.models.CNN", "width": 16}}, model, tmp_path, PlainState.kind)
