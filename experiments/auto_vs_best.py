@@ -4,7 +4,7 @@ Reads ``python -m hybrid.bench train`` results that ran ``--comms flat,hierarchi
 layout, finds the fixed algorithm with the most samples/s (median over the rounds), then prints auto's
 samples/s over that algorithm's: per round (the runs of one round ran within minutes of each other, so a
 drift of the machine between rounds cancels) and the median over the rounds. A ratio below 1 means auto
-was slower; the issue's bar is 0.95 (auto never more than 5% slower).
+was slower; the bar is 0.95 (auto never more than 5% slower).
 
 ``--pool A.json B.json``: the files are rounds of one experiment (same model, steps and overrides), run one
 after another; their rounds are put together and judged as one run of all of them.

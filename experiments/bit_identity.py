@@ -1,7 +1,7 @@
 """Digests of every communicator's output and of short hooked DDP trainings (2x2), to compare code versions.
 
-Run it at two commits and compare the JSON files: equal digests mean bit-identical results (issue 16 used it to
-show the restructure changed no bit). It falls back to the pre-issue-16 module paths, so it runs on older code too.
+Run it at two commits and compare the JSON files: equal digests mean bit-identical results (it showed that moving
+the modules into layers changed no bit). It falls back to the older flat module paths, so it runs on older code too.
 
     python experiments/bit_identity.py /tmp/after.json
 """

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The cost model's testbed measurements (issue 18): 2x4 and 4x2, 1 and 2 NICs per node at 500 Mbit/s each,
+# The cost model's testbed measurements: 2x4 and 4x2, 1 and 2 NICs per node at 500 Mbit/s each,
 # flat / hierarchical / sharded, 1M-80M; three rounds, configurations taking turns in a rotating order, so a slow
 # spell of this shared 2-core machine lands on one round of some configurations, not on all rounds of one.
 # Then: python -m hybrid.costmodel --calibrate experiments/perf/costmodel/2x4-*-r*.json \

@@ -1,4 +1,4 @@
-"""Where comm=hsdp's step goes, against comm=sharded, on the same 2x4 layout (issue 21's "why", measured).
+"""Where comm=hsdp's step goes, against comm=sharded, on the same 2x4 layout (why HSDP is slower here, measured).
 
 Runs the trainer's own per-rank code (hybrid.app.worker.train_worker) for a few steps under torch.profiler on
 every rank and prints rank 0's top operators by self CPU time, for each comm. Loopback (no testbed): the network

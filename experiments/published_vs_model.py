@@ -1,4 +1,4 @@
-"""The cost model against published all-reduce measurements (issue 18): one row per measurement.
+"""The cost model against published all-reduce measurements: one row per measurement.
 
 Every row uses only what its source states (nodes, GPUs per node, NICs and their line rate, the algorithm,
 the message size; sources in experiments/published_measurements.md), the NIC at its line rate and 5 us per

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What per-rank accounting and the timeline cost: median step time of 2x2 hierarchical and flat on loopback,
-# before issue 20 (BEFORE, a commit), with accounting only (timeline off, the default) and with the timeline
+# before per-rank accounting existed (BEFORE, a commit), with accounting only (timeline off, the default) and with the timeline
 # recording every step (the worst case; its default window is 3 steps). Rounds alternate A, B, C.
 #   experiments/timeline_overhead.sh [BEFORE_COMMIT] [ROUNDS]
 # Results: experiments/perf/timeline/*.json, summary printed at the end.

@@ -1,18 +1,18 @@
-"""The README's worked example ("Your own model and data"), read from the README itself: its files and its
-command, so the tests run exactly what a reader copies."""
+"""The worked example of docs/your-model.md (section "Worked example"), read from that page itself: its files
+and its command, so the tests run exactly what a reader copies."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SECTION = "## Your own model and data"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "your-model.md"
+SECTION = "## Worked example"
 
 
 def example() -> tuple[dict[str, str], str]:
     """The section's files (fenced blocks whose first line is ``# <relative path>``) and its one command."""
-    text = README.read_text()
+    text = PAGE.read_text()
     start = text.index(SECTION)
     following = re.search(r"\n#{2,3} ", text[start + len(SECTION):])  # the next heading (code has single #)
     section = text[start:start + len(SECTION) + following.start() if following else None]
@@ -24,7 +24,7 @@ def example() -> tuple[dict[str, str], str]:
         elif first.startswith("# ") and "/" in first:
             files[first[2:].strip()] = body
     if len(commands) != 1 or not files:
-        raise AssertionError(f"README section {SECTION!r}: expected files and one command, got {len(commands)}")
+        raise AssertionError(f"{PAGE.name} section {SECTION!r}: expected files and one command, got {len(commands)}")
     return files, commands[0]
 
 

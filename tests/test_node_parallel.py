@@ -25,7 +25,8 @@ ARGS = ["cluster=2x2", "optim=sgd", "optim.lr=0.1", "optim.warmup_steps=2", "tra
         "trainer.log_every=1", "trainer.check_replicas_every=1", "comm.timeout_s=120",
         "cluster.launch_timeout_s=180"]
 MLP = ["model.width=32", "model.depth=2", f"data.root={ROOT / 'data'}", "data.num_samples=1024", "data.batch_size=16"]
-EXAMPLE = ROOT / "example"  # the README's package: frozen layer, BatchNorm, shared block, tied head, own data and loss
+# docs/your-model.md's package: frozen layer, BatchNorm, shared block, tied head, own data and loss
+EXAMPLE = ROOT / "example"
 MINE = ["model=mynet", "data=spirals", "loss=smoothed", "data.batch_size=16"]
 PLANS = {
     "process": [("plain", []), ("accum", ["trainer.grad_accum_steps=2"]), ("first3", ["trainer.stop_after=3"]),
@@ -100,9 +101,9 @@ def test_thread_mode_matches_process_mode_with_one_process_per_node():
 
 
 def test_thread_mode_trains_a_users_model_with_frozen_tied_and_batchnorm_parts_as_process_mode_does():
-    """The README's example model in thread mode: replicas are deep copies (the tie survives in each), only
-    trainable parameters are reduced and stepped (the frozen projection keeps its bits), BatchNorm's buffers
-    follow the leader; the parameters end as in process mode under DDP."""
+    """The worked example's model (docs/your-model.md) in thread mode: replicas are deep copies (the tie survives
+    in each), only trainable parameters are reduced and stepped (the frozen projection keeps its bits),
+    BatchNorm's buffers follow the leader; the parameters end as in process mode under DDP."""
     thread, process = job("thread")[0]["mine"], job("process")[0]["mine"]
     assert_same_run(ROOT / "thread" / "mine", ROOT / "process" / "mine")
     state = final_state(ROOT / "thread" / "mine")["model"]

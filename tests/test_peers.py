@@ -57,8 +57,9 @@ def test_hsdp_accumulates_and_clips_like_the_other_comms():
 
 
 def test_hsdp_on_gpt2_and_the_readme_example_matches_ddp_with_tied_weights_kept():
-    """transformers' GPT-2 (a block per fully_shard, tied embeddings left in the root's unit) and the README's
-    model (frozen layer, BatchNorm, a block used twice, a tied head) under FSDP2 end where DDP does."""
+    """transformers' GPT-2 (a block per fully_shard, tied embeddings left in the root's unit) and
+    docs/your-model.md's worked example (frozen layer, BatchNorm, a block used twice, a tied head) under FSDP2 end
+    where DDP does."""
     root, results = job("2x2")
     for name in ("gpt2", "mine"):
         reference, state = model_state(root / f"{name}-ddp"), model_state(root / f"{name}-hsdp")

@@ -33,12 +33,12 @@ BASE = ["comm.bucket_mb=0.01", "comm.timeout_s=120", "optim.lr=0.1", "optim.warm
 # Unless a run picks another model and data: ~6 buckets of this MLP.
 MLP_ON_SYNTHETIC = ["model.width=64", "model.depth=3", f"data.root={ROOT / 'data'}", "data.num_samples=2048",
                     "data.batch_size=16"]
-EXAMPLE = ROOT / "example"  # the README's own package and configs ("Your own model and data")
+EXAMPLE = ROOT / "example"  # the package and configs of docs/your-model.md's worked example
 
 COMMS = ["ddp", "flat", "hierarchical", "sharded"]
 # Hugging Face's GPT2LMHeadModel (tied embeddings) on the Python docs' text that ships with CPython, byte-level.
 GPT2_ON_TEXT = ["model=gpt2", "model.width=32", "model.depth=2", "model.heads=4", "data=text", "data.seq_len=32"]
-# The README's example: frozen layer, BatchNorm, shared block, tied head, own dataset and loss.
+# docs/your-model.md's worked example: frozen layer, BatchNorm, shared block, tied head, own dataset and loss.
 MINE = ["model=mynet", "data=spirals", "loss=smoothed", "optim=adamw", "optim.lr=0.01", "data.batch_size=16"]
 # Gradients copied out of DDP's buckets here (the other path of settle_buckets and of zero_grad).
 HIERARCHICAL_BF16 = ["comm=hierarchical", "comm.inter_compression=bf16", "comm.grad_as_bucket_view=false"]
@@ -487,7 +487,7 @@ def test_gpt2_on_real_text_matches_plain_ddp_and_its_loss_falls():
 
 
 def test_a_users_own_model_data_and_loss_match_plain_ddp_and_resume_bitwise():
-    """Issue 17's acceptance, on the README's own example given only through --config-dir: a frozen layer, a
+    """Issue 17's acceptance, on docs/your-model.md's worked example given only through --config-dir: a frozen layer, a
     BatchNorm (buffers broadcast from rank 0, as plain DDP does), one block applied twice, a head tied to the
     class embeddings, its own dataset and loss. flat, hierarchical and sharded end within assert_close of plain
     DDP after 20 steps on 2x2 with identical replicas; 10 steps + resume end on 20 straight steps' bits."""

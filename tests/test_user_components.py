@@ -1,7 +1,7 @@
 """A user's own model, data, loss and optimizer through Hydra ``_target_`` and ``--config-dir`` (issue 17).
 
-The package and configs are the README's worked example, read from the README
-itself; the 2x2 parity and resume runs of it are in tests/test_trainer.py.
+The package and configs are the worked example of docs/your-model.md, read from
+that page itself; the 2x2 parity and resume runs of it are in tests/test_trainer.py.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def per_sample_loss(output, target):
 
 @pytest.fixture()
 def example(tmp_path, monkeypatch) -> Path:
-    """The README example's files under tmp_path, plus ``badpkg``, importable as a user's packages are."""
+    """docs/your-model.md's example files under tmp_path, plus ``badpkg``, importable as a user's packages are."""
     write_example(tmp_path)
     (tmp_path / "badpkg.py").write_text(BAD_PACKAGE)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -132,7 +132,7 @@ def test_a_bad_component_exits_2_before_anything_is_written(example):
 
 
 def test_the_readme_example_runs_verbatim(tmp_path):
-    """The README's files and command, as a reader copies them into an empty directory."""
+    """The worked example's files and command (docs/your-model.md), as a reader copies them into an empty directory."""
     command = write_example(tmp_path)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     out = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -221,7 +221,7 @@ def test_the_train_benchmark_compares_comms_on_a_users_own_model(example):
     assert {(r["layout"], r["comm"]) for r in report["summary"]} == {("1x2", "ddp"), ("1x2", "hierarchical")}
     mynet = sum(p.numel() * 4 for n, p in _readme_model().named_parameters() if n != "project.weight"
                 and n != "project.bias")
-    assert report["param_bytes"] == mynet  # trainable parameters of the README's model (tied head counted once)
+    assert report["param_bytes"] == mynet  # trainable parameters of the worked example's model (tied head counted once)
     bad = subprocess.run([sys.executable, "-m", "hybrid.bench", "train", "--config-dir", "nosuch", "model=mynet"],
                          cwd=example, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--config-dir 'nosuch' does not exist or is not a directory" in bad.stderr
