@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ from hybrid.core.comm.groups import resolve_backend
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology, discover_topology
 from hybrid.runtime.distributed import broadcast_from_rank0, init_distributed, shutdown_distributed
+from hybrid.runtime.launch import PEER_GRACE_S, is_consequence
 
 __all__ = ["buffer_sync", "run_worker", "train_hsdp", "train_process_mode", "train_thread_mode", "train_worker"]
 
@@ -89,6 +91,10 @@ def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
         # connections closed can exit before this one has recorded its error.
         print(f"rank {env.rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         failed = True
+        if is_consequence(f"{type(exc).__name__}: {exc}"):
+            # A peer went first (its connections closed, or it stopped answering): leave its agent time to
+            # see that death before this exit, so the cause is what gets reported first.
+            time.sleep(PEER_GRACE_S)
         raise
     finally:
         metrics.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -39,6 +40,11 @@ def _write_result(job_dir: Path, node: int, status: str, payload: Any) -> None:
 
 
 def _rank_and_result(entrypoint: Any, *args: Any) -> tuple[int, Any]:
+    # A forked worker inherits the agent's signal handlers (torch's agent turns SIGTERM, SIGINT, SIGHUP and
+    # SIGQUIT into exceptions so that it can stop its workers): give it what a fresh interpreter has.
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     return int(os.environ["RANK"]), entrypoint(*args)
 
 
@@ -72,6 +78,7 @@ def run_node(
     bind_store: bool = True,
     min_nnodes: int | None = None,
     last_call_s: int = 10,
+    start_method: str = "spawn",
 ) -> dict[int, Any]:
     """Run this node's elastic agent and its workers; return the workers' results by global rank.
 
@@ -85,6 +92,9 @@ def run_node(
     elastic membership (torchrun's ``--nnodes MIN:MAX``): the rendezvous completes with at least that many
     nodes after waiting ``last_call_s`` for more, a node without a heartbeat for ~3 s is dropped, and a node
     that (re)joins waits until the running agents see it and restart their workers on the larger membership.
+    ``start_method``: how the agent starts its workers, as torchrun's ``--start-method``: ``spawn`` (a fresh
+    interpreter each, torchrun's default) or ``fork`` (a copy of this agent, which has torch and the entry
+    point's module imported already and has touched no accelerator: no import cost per worker).
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -106,7 +116,7 @@ def run_node(
         rdzv_configs=rdzv_configs,
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=start_method,
         local_addr=local_addr,
     )
     per_local_rank = elastic_launch(config, _rank_and_result)(entrypoint, *args)
@@ -127,6 +137,7 @@ def run_agent(job_dir: Path, node: int) -> int:
             run_id=meta["run_id"], rdzv_endpoint=meta["rdzv_endpoint"], timeout_s=meta["timeout_s"],
             max_restarts=int(meta.get("max_restarts", 0)), local_addr=meta["node_addresses"][node],
             min_nnodes=meta.get("min_nnodes"), last_call_s=int(meta.get("last_call_s", 10)),
+            start_method=meta.get("start_method", "spawn"),
         )
         _write_result(job_dir, node, "ok", by_rank)
         return 0

@@ -40,11 +40,25 @@ from typing import Any, Callable, Sequence
 
 from hybrid.core.topology import Layout
 
-__all__ = ["LOOPBACK", "LaunchError", "NodeNetwork", "free_port", "launch_local", "local_agent_env",
-           "worker_threads"]
+__all__ = ["LOOPBACK", "PEER_GRACE_S", "LaunchError", "NodeNetwork", "free_port", "is_consequence", "launch_local",
+           "local_agent_env", "worker_threads"]
 
 _LOCALHOST = "127.0.0.1"
 _RDZV_PORT_IN_NAMESPACE = 29500  # a fresh namespace has every port free
+
+
+# Errors a worker gets because another one went first: its connections closed, its collective timed out.
+_CONSEQUENCE = re.compile(r"CommError|failed on rank|Connection (closed|reset)|Timed out|timed out|"
+                          r"earlier bucket's communication failed|without a result")
+# How long a worker that fails on such an error waits before exiting: ten of the agent's looks (0.1 s each),
+# so that a peer of its node that died first (a SIGKILL closes its connections at once) is what the agent
+# sees exit first and reports as the cause.
+PEER_GRACE_S = 1.0
+
+
+def is_consequence(message: str) -> bool:
+    """Whether a failure's message says it followed another worker's (see ``_CONSEQUENCE``)."""
+    return bool(_CONSEQUENCE.search(message))
 
 
 class LaunchError(RuntimeError):
@@ -95,6 +109,7 @@ def launch_local(
     max_restarts: int = 0,
     min_nnodes: int | None = None,
     last_call_s: int = 10,
+    start_method: str = "fork",
 ) -> list[Any]:
     """Run ``entrypoint(*args)`` on every rank of ``layout``; return the results by rank.
 
@@ -106,7 +121,14 @@ def launch_local(
     ``min_nnodes`` (below the layout's nodes): elastic membership, torchrun's ``--nnodes MIN:MAX``: a lost
     node (its agent gone) does not end the job while at least ``min_nnodes`` are left, and theirs are the
     results. ``last_call_s``: how long a rendezvous that has its minimum waits for more nodes.
+    ``start_method``: how each agent starts its workers (torchrun's ``--start-method``). ``fork`` by default:
+    a worker is a copy of its agent, which has imported torch and the entry point already, so a worker
+    starts in milliseconds instead of paying every import again (seconds of CPU each: experiments/RESULTS.md);
+    the agent touches no accelerator and runs no torch op before it forks. ``spawn``: a fresh interpreter per
+    worker, torchrun's default.
     """
+    if start_method not in ("fork", "spawn"):
+        raise ValueError(f"start_method={start_method!r} must be fork or spawn")
     if max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts} must be >= 0")
     if timeout_s <= 0:
@@ -117,7 +139,7 @@ def launch_local(
     minimum = min_nnodes or layout.nnodes
     if not 1 <= minimum <= layout.nnodes:
         raise ValueError(f"min_nnodes={min_nnodes} must be in 1..{layout.nnodes}")
-    job_dir = _write_job(layout, nodes, entrypoint, args, timeout_s, max_restarts, minimum, last_call_s)
+    job_dir = _write_job(layout, nodes, entrypoint, args, timeout_s, max_restarts, minimum, last_call_s, start_method)
     base_env = {**os.environ, **local_agent_env(layout.world_size), **(env or {})}
     agents: list[subprocess.Popen] = []
     try:
@@ -137,7 +159,7 @@ def launch_local(
 
 
 def _write_job(layout: Layout, nodes: Sequence[NodeNetwork], entrypoint: Callable[..., Any], args: Sequence[Any],
-               timeout_s: float, max_restarts: int, min_nnodes: int, last_call_s: int) -> Path:
+               timeout_s: float, max_restarts: int, min_nnodes: int, last_call_s: int, start_method: str) -> Path:
     """A fresh job folder with what every agent reads: the rendezvous and layout, and the pickled entry point."""
     port = free_port() if nodes[0] == LOOPBACK else _RDZV_PORT_IN_NAMESPACE
     job_dir = Path(tempfile.mkdtemp(prefix="hybrid-job-"))
@@ -152,6 +174,7 @@ def _write_job(layout: Layout, nodes: Sequence[NodeNetwork], entrypoint: Callabl
         "max_restarts": max_restarts,
         "min_nnodes": min_nnodes,
         "last_call_s": last_call_s,
+        "start_method": start_method,
     }
     (job_dir / "meta.json").write_text(json.dumps(meta))
     (job_dir / "job.pkl").write_bytes(pickle.dumps((entrypoint, tuple(args))))
@@ -196,9 +219,7 @@ def _describe(failures: list[tuple[int, str]]) -> str:
     that are not such errors (a signal, an exception in the training code)
     are listed first.
     """
-    consequence = re.compile(r"CommError|failed on rank|Connection (closed|reset)|Timed out|timed out|"
-                             r"earlier bucket's communication failed|without a result")
-    ordered = sorted(failures, key=lambda f: (bool(consequence.search(f[1])), f[0]))
+    ordered = sorted(failures, key=lambda f: (is_consequence(f[1]), f[0]))
     first, rest = ordered[0], ordered[1:]
     message = f"node {first[0]} failed: {first[1]}"
     for node, payload in rest:
