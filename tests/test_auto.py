@@ -15,6 +15,8 @@ from hybrid.core.comm.auto import CALIBRATION_SIZES, auto_candidates, fit_calibr
 from hybrid.core.costmodel import Level, Model, predict
 from hybrid.core.topology import Layout, Topology
 
+pytestmark = pytest.mark.unit
+
 MiB = 2**20
 
 

@@ -19,17 +19,20 @@ def bench(*args, cwd=None, timeout=240):
     )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text,nbytes", [("1", 1), ("4K", 4096), ("25M", 25 * 2**20), ("1MB", 2**20), ("1.5k", 1536)])
 def test_parse_size(text, nbytes):
     assert parse_size(text) == nbytes
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text", ["", "1Q", "-1M", "0", "M"])
 def test_parse_size_rejects(text):
     with pytest.raises(ValueError, match="size"):
         parse_size(text)
 
 
+@pytest.mark.multiprocess
 def test_help_documents_the_options():
     out = bench("--help")
     assert out.returncode == 0
@@ -37,6 +40,7 @@ def test_help_documents_the_options():
         assert option in out.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "args,needle",
     [
@@ -55,6 +59,7 @@ def test_bad_input_is_one_clear_line_and_nonzero_exit(args, needle, tmp_path):
     assert not (tmp_path / "b.json").exists()
 
 
+@pytest.mark.multiprocess
 def test_existing_output_is_not_overwritten(tmp_path):
     target = tmp_path / "b.json"
     target.write_text("precious")
@@ -63,6 +68,7 @@ def test_existing_output_is_not_overwritten(tmp_path):
     assert target.read_text() == "precious"
 
 
+@pytest.mark.unit
 def test_nic_tx_bytes_counts_what_crossed_the_interface():
     payload = 2 * 2**20
     server = socket.create_server(("127.0.0.1", 0))
@@ -88,6 +94,7 @@ def test_nic_tx_bytes_counts_what_crossed_the_interface():
         nic_tx_bytes("nope0")
 
 
+@pytest.mark.multiprocess
 def test_small_run_prints_table_and_writes_a_new_json_file(tmp_path):
     algorithms = ("flat", "hierarchical", "sharded", "torch", "sharded-inter")
     out = bench("--layout", "2x1", "--sizes", "4K,64K", "--iters", "3", "--warmup", "1",

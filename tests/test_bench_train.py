@@ -19,6 +19,7 @@ def _run(sps, rss, comm_s=0.0, loss=1.0):
             "final_loss": loss}
 
 
+@pytest.mark.unit
 def test_summary_takes_medians_ratios_to_the_baseline_and_weak_scaling():
     opts = TrainBenchOptions(layouts=["1x1", "2x2"], comms=["ddp", "flat"], rounds=3)
     runs = {
@@ -42,6 +43,7 @@ def test_summary_takes_medians_ratios_to_the_baseline_and_weak_scaling():
     assert rows[("2x2", "flat")]["weak_scaling_efficiency"] == pytest.approx(333 / (4 * 100))
 
 
+@pytest.mark.unit
 def test_compose_settings_is_the_trainers_config_and_rejects_uneven_layouts():
     cfg = compose_settings(["model.width=32"], "2x3", "sharded", 7, 0.0)
     assert (cfg.cluster.nnodes, cfg.cluster.nproc_per_node) == (2, 3)
@@ -57,6 +59,7 @@ def test_compose_settings_is_the_trainers_config_and_rejects_uneven_layouts():
         compose_settings([], "3,1", "flat", 5, 0.0)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "args,needle",
     [
@@ -80,6 +83,7 @@ def test_bad_input_is_one_line_and_writes_nothing(args, needle, tmp_path, monkey
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.multiprocess
 def test_tiny_run_reports_every_configuration(tmp_path):
     out = bench_train("--layouts", "1x1,1x2", "--comms", "ddp,hsdp", "--steps", "4", "--rounds", "1",
                       "--output", str(tmp_path / "t.json"),

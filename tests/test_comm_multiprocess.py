@@ -8,11 +8,14 @@ the tests below assert on what the ranks returned.
 from __future__ import annotations
 
 import pytest
-import workers
-from once import once
 
 from hybrid.core.topology import Layout
 from hybrid.runtime.launch import launch_local
+
+from helpers import workers
+from helpers.once import once
+
+pytestmark = pytest.mark.multiprocess
 
 PARITY = {"steps": 10, "width": 64, "depth": 10, "bucket_cap_mb": 0.01}
 LONG = {"steps": 60, "width": 32, "depth": 8, "bucket_cap_mb": 0.004}  # 60 steps x >= 8 buckets per comm

@@ -9,6 +9,8 @@ from hybrid.core.comm import ALGORITHM_CLASSES, CommGroups, group_kinds_for, mak
 from hybrid.core.comm.base import SUPPORTED_DTYPES, Communicator
 from hybrid.core.topology import Topology
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
 @pytest.mark.parametrize("divisor", [1, 2, 3, 4, 6, 8, 64, 1024])

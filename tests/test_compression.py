@@ -6,6 +6,8 @@ import torch
 from hybrid.app.config import CommConfig
 from hybrid.core.comm.compression import InterCompressor
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("kind, wire", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_error_feedback_sends_what_should_have_been_sent_up_to_one_rounding(kind, wire):

@@ -11,6 +11,8 @@ import hybrid.app.train  # noqa: F401  registers the schema (train_schema) with 
 from hybrid.app.checks import check_components
 from hybrid.app.config import COMM_ALGORITHMS, CommConfig, TrainConfig, validate
 
+pytestmark = pytest.mark.unit
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in CONF.iterdir() if g.is_dir()}
 

@@ -16,6 +16,7 @@ def bandwidth_only(inter_gbps=0.5, intra_gbps=1e6, nics=1):
     return Model(Level.from_bandwidth(0, intra_gbps), Level.from_bandwidth(0, inter_gbps), nics)
 
 
+@pytest.mark.unit
 def test_2x4_flat_pushes_1_75x_the_bytes_of_hierarchical_through_each_nic():
     model = bandwidth_only()
     flat = predict(model, "flat", Layout.parse("2x4"), S)["total"]
@@ -24,6 +25,7 @@ def test_2x4_flat_pushes_1_75x_the_bytes_of_hierarchical_through_each_nic():
     assert hier == pytest.approx(S * 8 / 0.5e9)  # 2(n-1)/n = 1 x S through a 500 Mbit/s NIC
 
 
+@pytest.mark.unit
 def test_single_node_uses_only_the_intra_level_and_single_rank_nodes_only_inter():
     model = Model(Level(1e-6, 1e-10), Level(1e-3, 1e-8))
     one_node = predict(model, "flat", Layout.parse("1x4"), S)
@@ -33,12 +35,14 @@ def test_single_node_uses_only_the_intra_level_and_single_rank_nodes_only_inter(
     assert leaders_only["total"] == pytest.approx(predict(model, "flat", Layout.parse("4x1"), S)["total"])
 
 
+@pytest.mark.unit
 def test_sharded_spreads_the_inter_phase_over_several_nics():
     one = predict(bandwidth_only(nics=1), "sharded", Layout.parse("2x8"), S)["inter_allreduce"]
     eight = predict(bandwidth_only(nics=8), "sharded", Layout.parse("2x8"), S)["inter_allreduce"]
     assert one / eight == pytest.approx(8)
 
 
+@pytest.mark.unit
 def test_at_scale_latency_makes_hierarchy_win_even_for_small_messages():
     model = Model(Level.from_bandwidth(2, 3600), Level.from_bandwidth(5, 400))
     times = predict_all(model, Layout.parse("1024x8"), 64 * 2**10)
@@ -55,6 +59,7 @@ def fake_report(layout: str, model: Model, sizes) -> dict:
     return {"node_sizes": list(lay.node_sizes), "results": rows}
 
 
+@pytest.mark.unit
 def test_calibration_recovers_the_levels_it_was_measured_on():
     truth = Model(Level(50e-6, 1 / 2e9), Level(300e-6, 8 / 500e6))
     reports = [fake_report("2x4", truth, [2**20, 8 * 2**20, S]), fake_report("4x2", truth, [2**20, S])]
@@ -63,12 +68,14 @@ def test_calibration_recovers_the_levels_it_was_measured_on():
     assert fitted.inter.beta_s_per_byte == pytest.approx(truth.inter.beta_s_per_byte, rel=1e-6)
 
 
+@pytest.mark.unit
 def test_calibration_needs_two_sizes():
     truth = Model(Level(1e-5, 1e-9), Level(1e-4, 1e-8))
     with pytest.raises(ValueError, match="two message sizes"):
         calibrate([fake_report("2x2", truth, [S])])
 
 
+@pytest.mark.multiprocess
 def test_cli_prints_a_1024_node_prediction():
     out = subprocess.run([sys.executable, "-m", "hybrid.costmodel", "--layout", "1024x8", "--sizes", "25M"],
                          capture_output=True, text=True, timeout=60)
@@ -78,6 +85,7 @@ def test_cli_prints_a_1024_node_prediction():
     assert bad.returncode == 2 and "nnodes (0)" in bad.stderr
 
 
+@pytest.mark.unit
 def test_nics_per_connection_caps_and_channels_by_hand():
     """4 nodes x 4 GPUs, 100 MB, 4 NICs of 100 Gbit/s (beta 8e-11 s/B), 5 us per step, one connection at most
     25 Gbit/s (3.2e-10 s/B), flat striped over 4 channels. Worked by hand:
@@ -97,6 +105,7 @@ def test_nics_per_connection_caps_and_channels_by_hand():
     assert predict(uncapped, "hierarchical", layout, size)["inter_allreduce"] == pytest.approx(6 * (5e-6 + 2.5e7 * 8e-11))
 
 
+@pytest.mark.unit
 def test_one_tcp_stream_per_nic_makes_parallel_groups_win_on_a_single_slow_nic():
     """Horovod PR #3608's shape (one 10 Gbit/s NIC, 6 GPUs per node): if one connection carries 2.5 Gbit/s,
     sharded's 6 concurrent groups fill the NIC and the leaders' single ring gets a quarter of it."""
@@ -110,6 +119,7 @@ def test_one_tcp_stream_per_nic_makes_parallel_groups_win_on_a_single_slow_nic()
         predict(plain, "sharded", layout, S)["inter_allreduce"])
 
 
+@pytest.mark.unit
 def test_two_nodes_as_a_tree_send_s_not_two_n_minus_one_over_n_s():
     tree = Model(Level(0, 0), Level.from_bandwidth(0, 100), two_node_tree=True)
     ring = Model(Level(0, 0), Level.from_bandwidth(0, 100))
@@ -119,6 +129,7 @@ def test_two_nodes_as_a_tree_send_s_not_two_n_minus_one_over_n_s():
     assert predict(tree, "flat", Layout.parse("4x8"), S)["total"] == predict(ring, "flat", Layout.parse("4x8"), S)["total"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("key, value", [("nics_per_node", 0), ("flat_channels", 0), ("leader_nics", -1),
                                         ("conn_gbps", 0.0), ("overlap", 1.5)])
 def test_bad_model_parameters_are_refused_by_name(key, value):
@@ -126,6 +137,7 @@ def test_bad_model_parameters_are_refused_by_name(key, value):
         Model(Level(0, 1e-9), Level(0, 1e-9), **{key: value})
 
 
+@pytest.mark.multiprocess
 def test_cli_json_has_seconds_algbw_and_busbw_per_size_and_algorithm():
     out = subprocess.run([sys.executable, "-m", "hybrid.costmodel", "--layout", "5x8", "--sizes", "1G,25M",
                           "--intra-gbps", "3600", "--inter-gbps", "400", "--nics-per-node", "4", "--json"],
@@ -165,6 +177,7 @@ def bench_report(layout: str, model: Model, sizes, nics: int = 1, chunk_mb: floa
     return report
 
 
+@pytest.mark.unit
 def test_calibration_takes_the_nic_from_flat_and_phases_only_from_one_piece_rows():
     """Flat is one collective through one NIC: its rows give the inter level. A pipelined row's phase clocks
     also run while the other level works; poisoned here, they must not move the fit."""
@@ -179,6 +192,7 @@ def test_calibration_takes_the_nic_from_flat_and_phases_only_from_one_piece_rows
     assert fitted.intra.beta_s_per_byte == pytest.approx(truth.intra.beta_s_per_byte, rel=1e-6)
 
 
+@pytest.mark.unit
 def test_as_benched_spreads_the_leaders_pieces_over_at_most_the_window_of_nics():
     from hybrid.tools.costmodel import as_benched
 
@@ -190,6 +204,7 @@ def test_as_benched_spreads_the_leaders_pieces_over_at_most_the_window_of_nics()
     assert as_benched(model, report, 64 * 2**20).flat_channels == 1  # gloo: one collective on one NIC
 
 
+@pytest.mark.unit
 def test_check_compares_every_row_at_the_median_of_repeated_runs():
     from hybrid.tools.costmodel import check
 
@@ -207,6 +222,7 @@ def test_check_compares_every_row_at_the_median_of_repeated_runs():
         check(truth, [bench_report("1x4", truth, sizes)])
 
 
+@pytest.mark.multiprocess
 def test_cli_calibrates_on_one_bench_and_checks_others(tmp_path):
     import json
 
@@ -225,6 +241,7 @@ def test_cli_calibrates_on_one_bench_and_checks_others(tmp_path):
     assert bad.returncode == 2 and "none.json" in bad.stderr and len(bad.stderr.strip().splitlines()) <= 2
 
 
+@pytest.mark.unit
 def test_calibration_fits_how_much_of_the_lesser_level_a_pipeline_hides():
     """Pipelined totals of a cluster that hides 60% of the intra phases behind the NIC: the fit finds 0.6,
     and predictions move from all-hidden towards phases-added accordingly."""
@@ -238,6 +255,7 @@ def test_calibration_fits_how_much_of_the_lesser_level_a_pipeline_hides():
     assert hidden["total"] < predict(truth, "hierarchical", layout, size, chunk)["total"] < added["total"]
 
 
+@pytest.mark.multiprocess
 def test_published_comparison_runs_and_prints_every_row():
     """experiments/published_vs_model.py, as RESULTS.md quotes it: one table row per published measurement."""
     from pathlib import Path

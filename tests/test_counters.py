@@ -6,6 +6,8 @@ import pytest
 
 from hybrid.core.comm.counters import PHASES, PhaseCounters, allreduce_bytes, rooted_bytes
 
+pytestmark = pytest.mark.unit
+
 
 def test_ring_byte_formulas():
     assert allreduce_bytes(1000, 1) == 0

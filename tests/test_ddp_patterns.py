@@ -1,7 +1,7 @@
 """hybrid's DDP hook against plain torch DDP, on the DDP features users' own programs rely on.
 
 2x2 jobs (one torch elastic agent per simulated node, gloo on CPU) run every
-pattern of tests/ddp_patterns.py with plain DDP, with the hook over flat,
+pattern of tests/helpers/ddp_patterns.py with plain DDP, with the hook over flat,
 hierarchical and sharded, and with a hook that is wrong by 1.001. Several
 models sharing one communicator get a job of their own: before the groups
 had one ordered stream, that pattern aborted its whole job (gloo: "Received
@@ -11,12 +11,15 @@ results with it if it ever does again.
 
 from __future__ import annotations
 
-import ddp_patterns
 import pytest
-from once import once
 
 from hybrid.core.topology import Layout
 from hybrid.runtime.launch import launch_local
+
+from helpers import ddp_patterns
+from helpers.once import once
+
+pytestmark = pytest.mark.multiprocess
 
 ALGORITHM_CLASSES = ("flat", "hierarchical", "sharded")
 

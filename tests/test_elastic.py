@@ -1,10 +1,10 @@
-"""Resuming on another layout (issue 19): the data position in global samples, the learning-rate policy and
+"""Resuming on another layout: the data position in global samples, the learning-rate policy and
 the layout history, through the trainer's own per-rank loop, one launch per layout.
 
 A 2x2 run stops after 10 steps (global batch 4 x 8 = 32 of 256 samples: epoch 0 is 8 steps, so epoch 1 is
 2 steps in). It is resumed by hand on 1x2 with two micro-batches per step (the same global batch) and on
 3x1 (global batch 24). The samples each run trains on are recorded by the model itself
-(tests/id_components.py), so what is checked is what the trainer fed, not what a sampler promises.
+(tests/helpers/id_components.py), so what is checked is what the trainer fed, not what a sampler promises.
 """
 
 from __future__ import annotations
@@ -15,18 +15,21 @@ from pathlib import Path
 
 import pytest
 import torch
-import train_workers
-from once import once
-from test_reliability import Job, descendants
 
 from hybrid.app.checks import check_components, compose_train_config
 from hybrid.runtime.launch import launch_local
+
+from helpers import train_workers
+from helpers.once import once
+from helpers.processes import Job, agent_of_node, descendants
+
+pytestmark = pytest.mark.multiprocess
 
 HERE = Path(__file__).parent
 ROOT = Path(tempfile.mkdtemp(prefix="hybrid-elastic-tests-"))
 N, BATCH = 256, 8
 COMMON = ["comm=hierarchical", "comm.timeout_s=120", "optim.lr=0.1", "trainer.log_every=10", "model.width=32",
-          "model.depth=2", "model._target_=id_components.RecordingMLP", "data._target_=id_components.IndexedVectors",
+          "model.depth=2", "model._target_=helpers.id_components.RecordingMLP", "data._target_=helpers.id_components.IndexedVectors",
           "data.kind=vectors", f"data.num_samples={N}", f"data.batch_size={BATCH}", f"data.root={ROOT / 'data'}"]
 RECORDS = ROOT / "records"  # a resumed run keeps the model config of the one it resumes, record dir included
 FIRST = ROOT / "2x2" / "first"
@@ -117,20 +120,6 @@ def test_elastic_lr_scale_follows_the_global_batch_and_the_history_says_why():
     assert three["membership"] == metrics["membership"] and three["global_batch"] == 24
 
 
-def _agent_of_node(job: Job, node: int) -> int:
-    """The pid of ``job``'s elastic agent for ``node`` (``python -m hybrid.runtime.agent JOB_DIR NODE``)."""
-    found = []
-    for pid in descendants(job.proc.pid):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"hybrid.runtime.agent" in argv and argv[-2:] == [str(node).encode(), b""]:
-            found.append(pid)
-    assert len(found) == 1, found
-    return found[0]
-
-
 # 3x1 and 3x2 with comm=hierarchical pass too (run by hand with this test: 28 s and 44 s here); for its time CI
 # keeps 3x2 sharded (intra and cross groups rebuilt); the leaders' group is rebuilt on a smaller membership in
 # tests/test_testbed.py's link-down run (2x1 hierarchical -> 1 node).
@@ -149,7 +138,7 @@ def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membersh
               "trainer.max_steps=30", "trainer.checkpoint_every=5", "trainer.log_every=1", "model.width=512",
               "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
     job.wait_for(r"^step 11/", timeout=180)  # rank 0 saved step 10's checkpoint before its step 11
-    agent = _agent_of_node(job, 2)
+    agent = agent_of_node(job.proc.pid, 2)
     for pid in [agent, *descendants(agent)]:
         os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()

@@ -1,40 +1,17 @@
 """hybrid.runtime.launch: torchrun's environment per rank, errors surfaced, hung jobs stopped."""
 
-import os
-import time
 import uuid
-from pathlib import Path
-from typing import Callable
 
-import launch_targets
 import pytest
 
 from hybrid.core.topology import Layout
 from hybrid.runtime.launch import LaunchError, launch_local
 
-
-def processes_with_marker(marker: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            if f"HYBRID_TEST_MARKER={marker}".encode() in (proc / "environ").read_bytes():
-                pids.append(int(proc.name))
-        except OSError:
-            continue
-    return pids
+from helpers import launch_targets
+from helpers.processes import left_after, processes_with_marker
 
 
-def left_after(pids_now: Callable[[], list[int]], within_s: float) -> list[int]:
-    """``pids_now()`` once it is empty, or when ``within_s`` have passed: processes already killed (and
-    multiprocessing's helpers) may take a moment to go, a leak stays."""
-    deadline = time.monotonic() + within_s
-    while (left := pids_now()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
-
-
+@pytest.mark.multiprocess
 def test_uneven_layout_gets_honest_torchrun_environment():
     envs = launch_local(Layout.parse("2,1"), launch_targets.report_env, timeout_s=120)
     assert [e["RANK"] for e in envs] == ["0", "1", "2"]
@@ -49,11 +26,13 @@ def test_uneven_layout_gets_honest_torchrun_environment():
     assert {e["GLOO_SOCKET_IFNAME"] for e in envs} == {"lo"}
 
 
+@pytest.mark.multiprocess
 def test_worker_exception_is_surfaced_with_its_message():
     with pytest.raises(LaunchError, match="boom-42"):
         launch_local(Layout.parse("1x2"), launch_targets.fail_on_rank_one, timeout_s=120)
 
 
+@pytest.mark.multiprocess
 def test_hung_job_is_stopped_at_the_deadline_and_leaves_no_process():
     marker = uuid.uuid4().hex
     with pytest.raises(LaunchError, match="did not finish within timeout_s=20"):
@@ -64,6 +43,7 @@ def test_hung_job_is_stopped_at_the_deadline_and_leaves_no_process():
     assert left_after(lambda: processes_with_marker(marker), within_s=10) == []
 
 
+@pytest.mark.unit
 def test_bad_timeout_is_rejected():
     with pytest.raises(ValueError, match="timeout_s=0"):
         launch_local(Layout.parse("1x1"), launch_targets.report_env, timeout_s=0)
@@ -85,6 +65,7 @@ class _ExitsWhileLooked:
         return 0
 
 
+@pytest.mark.unit
 def test_agents_that_exit_between_two_looks_end_the_wait():
     from hybrid.runtime.launch import _wait
 
@@ -93,6 +74,7 @@ def test_agents_that_exit_between_two_looks_end_the_wait():
     assert all(a.looks >= 2 for a in agents)
 
 
+@pytest.mark.unit
 def test_an_elastic_job_succeeds_only_with_every_rank_of_its_last_membership(tmp_path, capsys):
     """Node 2 lost: the results of nodes 0 and 1 are the job's if they cover ranks 0..n-1; without rank 0's
     (a survivor stopped late, say) the job fails, naming the lost node."""

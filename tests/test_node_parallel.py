@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import train_workers
-from once import once
-from readme_example import write_example
 
 from hybrid.app.checks import check_components, compose_train_config
 from hybrid.app.replicas.node_threads import replica_topology
 from hybrid.core.topology import Topology
+
+from helpers import train_workers
+from helpers.once import once
+from helpers.readme_example import write_example
 
 ROOT = Path(tempfile.mkdtemp(prefix="hybrid-node-parallel-tests-"))
 # 2 nodes x 2 devices, SGD with momentum; every step checks that all replicas are identical.
@@ -82,6 +83,7 @@ def assert_same_run(thread_dir: Path, process_dir: Path) -> None:
     assert thread["data"] == process["data"]  # every replica read what its process-mode rank read
 
 
+@pytest.mark.multiprocess
 def test_thread_mode_matches_process_mode_with_one_process_per_node():
     results = job("thread")
     assert len(results) == 2  # ranks: one process per node
@@ -100,6 +102,7 @@ def test_thread_mode_matches_process_mode_with_one_process_per_node():
     assert all(metrics["comm_s"][p] > 0 for p in ("intra_reduce", "inter_allreduce", "intra_broadcast"))
 
 
+@pytest.mark.multiprocess
 def test_thread_mode_trains_a_users_model_with_frozen_tied_and_batchnorm_parts_as_process_mode_does():
     """The worked example's model (docs/your-model.md) in thread mode: replicas are deep copies (the tie survives
     in each), only trainable parameters are reduced and stepped (the frozen projection keeps its bits),
@@ -113,6 +116,7 @@ def test_thread_mode_trains_a_users_model_with_frozen_tied_and_batchnorm_parts_a
     assert thread["final_loss"] == pytest.approx(process["final_loss"], rel=1e-5)
 
 
+@pytest.mark.multiprocess
 def test_thread_mode_gradient_accumulation_matches_process_mode():
     thread, process = job("thread")[0]["accum"], job("process")[0]["accum"]
     assert_same_run(ROOT / "thread" / "accum", ROOT / "process" / "accum")
@@ -120,6 +124,7 @@ def test_thread_mode_gradient_accumulation_matches_process_mode():
     assert thread["param_checksums_identical"] and thread["bytes"] == process["bytes"]
 
 
+@pytest.mark.multiprocess
 def test_thread_mode_resumes_its_own_checkpoint_exactly_and_process_mode_checkpoints_too():
     results = job("thread")[0]
     assert results["first3"]["steps_run"] == 3 and results["resumed"]["steps_run"] == 2
@@ -130,6 +135,7 @@ def test_thread_mode_resumes_its_own_checkpoint_exactly_and_process_mode_checkpo
     assert results["from-process"]["steps_run"] == 2
 
 
+@pytest.mark.multiprocess
 def test_thread_mode_compresses_the_inter_node_hop_like_hierarchical():
     results = job("thread")[0]
     assert results["bf16"]["bytes"]["inter_allreduce"] * 2 == results["plain"]["bytes"]["inter_allreduce"]
@@ -139,6 +145,7 @@ def test_thread_mode_compresses_the_inter_node_hop_like_hierarchical():
     assert 0 < gap < 1e-3, gap  # 16-bit rounding with error feedback, not another run
 
 
+@pytest.mark.multiprocess
 def test_thread_mode_resumes_a_compressed_run_exactly_with_its_nodes_residuals():
     results = job("thread")[0]
     assert results["bf16-resumed"]["steps_run"] == 2
@@ -149,12 +156,14 @@ def test_thread_mode_resumes_a_compressed_run_exactly_with_its_nodes_residuals()
     assert len(saved["ranks"]) == 2 and all(r["hierarchical (intra_mode=thread)"]["residuals"] for r in saved["ranks"])
 
 
+@pytest.mark.unit
 def test_replica_topology_numbers_replicas_as_process_mode_ranks():
     processes = Topology(rank=1, nodes=((0,), (1,), (2,)))
     topo = replica_topology(processes, 4)
     assert topo.world_size == 12 and topo.nnodes == 3 and topo.rank == 4 and topo.node_ranks == (4, 5, 6, 7)
 
 
+@pytest.mark.unit
 def test_an_in_process_replica_that_drifts_is_named_by_its_global_rank():
     import torch.distributed as dist
 
@@ -175,6 +184,7 @@ def test_an_in_process_replica_that_drifts_is_named_by_its_global_rank():
         dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_bad_intra_mode_is_one_line_exit_2_and_writes_nothing(tmp_path):
     """The whole path once, as a user runs it; the next case goes through the same precheck in-process."""
     out = hybrid_train("cluster.intra_mode=bogus", cwd=tmp_path, timeout=60)
@@ -183,6 +193,7 @@ def test_bad_intra_mode_is_one_line_exit_2_and_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.unit
 def test_thread_mode_with_another_comm_is_refused_in_one_line(tmp_path, monkeypatch):
     from hybrid.app.checks import precheck
 
@@ -193,6 +204,7 @@ def test_thread_mode_with_another_comm_is_refused_in_one_line(tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.multiprocess
 def test_under_torchrun_thread_mode_wants_one_process_per_node(monkeypatch):
     from hybrid.app.checks import check_torchrun_layout
 

@@ -9,6 +9,8 @@ import torch
 
 from hybrid.core.comm.ordered_stream import OrderedStream
 
+pytestmark = pytest.mark.unit
+
 
 def test_jobs_run_one_at_a_time_in_the_order_they_were_handed_over():
     stream = OrderedStream("test")

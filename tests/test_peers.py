@@ -1,4 +1,4 @@
-"""Issue 21's peers inside the trainer: torch FSDP2 as HSDP (comm=hsdp) and torch's own DDP comm hooks
+"""The peers inside the trainer: torch FSDP2 as HSDP (comm=hsdp) and torch's own DDP comm hooks
 (comm.torch_hook), checked against plain torch DDP on the runs of tests/test_trainer.py's 2x2 job."""
 
 from __future__ import annotations
@@ -7,19 +7,21 @@ import math
 
 import pytest
 import torch
-from test_trainer import job, model_state, settings
 
 from hybrid.app.checks import check_components, check_devices, check_resume
 from hybrid.app.replicas.hsdp import shard_units
 from hybrid.app.setup import build_model
+
+from helpers.trainer_job import job, model_state, settings
 
 
 def _gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - v).abs().max().item() for k, v in b.items())
 
 
+@pytest.mark.multiprocess
 def test_hsdp_ends_within_tolerance_of_plain_ddp_with_identical_replicas_of_each_shard():
-    """Issue 21's parity: FSDP2 on a (2 nodes, 2 workers) mesh, 20 steps, the same data and seed as DDP."""
+    """Parity: FSDP2 on a (2 nodes, 2 workers) mesh, 20 steps, the same data and seed as DDP."""
     root, results = job("2x2")
     reference, state = model_state(root / "ddp"), model_state(root / "hsdp")
     assert set(state) == set(reference)  # a full state dict, under the module's own names
@@ -33,6 +35,7 @@ def test_hsdp_ends_within_tolerance_of_plain_ddp_with_identical_replicas_of_each
     assert set(checkpoint["optimizer"]["state"]) == {k for k in reference}  # keyed by parameter name
 
 
+@pytest.mark.multiprocess
 def test_hsdp_resumes_bitwise_through_torchs_distributed_state_dicts():
     """10 steps, a checkpoint gathered by get_state_dict, a new run sharding it back by set_state_dict: the
     same bits as 20 straight steps, momentum included; replicas of each shard checked every 5 steps."""
@@ -46,6 +49,7 @@ def test_hsdp_resumes_bitwise_through_torchs_distributed_state_dicts():
         assert torch.equal(s["momentum_buffer"], resumed["optimizer"]["state"][key]["momentum_buffer"]), key
 
 
+@pytest.mark.multiprocess
 def test_hsdp_accumulates_and_clips_like_the_other_comms():
     """FSDP2's set_requires_gradient_sync for the micro-steps, and clip_grad_norm_ over sharded gradients (a
     norm over every shard): the same runs as hierarchical's accumulation and DDP's clipping."""
@@ -56,6 +60,7 @@ def test_hsdp_accumulates_and_clips_like_the_other_comms():
             torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{mine} {key}")
 
 
+@pytest.mark.multiprocess
 def test_hsdp_on_gpt2_and_the_readme_example_matches_ddp_with_tied_weights_kept():
     """transformers' GPT-2 (a block per fully_shard, tied embeddings left in the root's unit) and
     docs/your-model.md's worked example (frozen layer, BatchNorm, a block used twice, a tied head) under FSDP2 end
@@ -71,6 +76,7 @@ def test_hsdp_on_gpt2_and_the_readme_example_matches_ddp_with_tied_weights_kept(
     assert results["gpt2-hsdp"]["final_loss"] < 0.8 * math.log(256)
 
 
+@pytest.mark.unit
 def test_the_units_are_blocks_and_no_unit_splits_a_tied_weight():
     gpt2 = build_model(settings("2x2", ["model=gpt2", "model.width=32", "model.depth=2", "model.heads=4",
                                        "data=text", "data.seq_len=32"]).model, torch.device("cpu"))
@@ -83,6 +89,7 @@ def test_the_units_are_blocks_and_no_unit_splits_a_tied_weight():
     assert shard_units(tied) == []
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("hook", ["fp16", "powersgd"])
 def test_torchs_own_hooks_run_on_ddp_and_train_like_it(hook):
     """torch's fp16_compress_hook and powerSGD_hook, registered by comm.torch_hook: another run than DDP's
@@ -96,6 +103,7 @@ def test_torchs_own_hooks_run_on_ddp_and_train_like_it(hook):
     assert abs(metrics["final_loss"] - results["ddp"]["final_loss"]) < 0.05 * results["ddp"]["final_loss"]
 
 
+@pytest.mark.multiprocess
 def test_the_bf16_hook_and_a_checkpoint_of_the_other_kind_are_refused_before_start():
     with pytest.raises(ValueError, match=r"comm.torch_hook=bf16: .*NCCL on CUDA"):
         check_devices(settings("2x2", ["comm=ddp", "comm.torch_hook=bf16"]))

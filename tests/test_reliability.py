@@ -9,20 +9,20 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
-import reliability_targets
 import torch
-from test_launch import left_after
 
 from hybrid.app.state.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
 from hybrid.core.topology import Layout
 from hybrid.runtime.launch import launch_local
 from hybrid.runtime.testbed import testbed_available
+
+from helpers import reliability_targets
+from helpers.processes import Job, all_gone, descendants, workers
 
 IS_ROOT = os.geteuid() == 0
 TESTBED = testbed_available()
@@ -31,83 +31,6 @@ SLOW = ["model.width=768", "model.depth=3", "data.num_samples=2048", "trainer.lo
 
 
 # ---------------------------------------------------------------- processes
-
-
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            tree.setdefault(int(fields[1]), []).append(int(entry))
-    return tree
-
-
-def descendants(pid: int) -> list[int]:
-    tree, out, todo = _children(), [], [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def all_gone(pids: list[int], within_s: float = 10.0) -> bool:
-    """Whether every process in ``pids`` has exited, allowing ``within_s`` for ones already killed to go."""
-    return left_after(lambda: [p for p in pids if running(p)], within_s) == []
-
-
-def running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def workers(root: int) -> list[int]:
-    """The training processes under ``root`` (torch elastic spawns them with multiprocessing)."""
-    found = []
-    for pid in descendants(root):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in cmdline:
-            found.append(pid)
-    assert found, f"no worker process under pid {root}"
-    return sorted(found)
-
-
-class Job:
-    """``python -m hybrid.train`` in the background, its output read line by line."""
-
-    def __init__(self, cwd: Path, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "hybrid.train", *args], cwd=cwd, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.lines: list[str] = []
-
-    def wait_for(self, pattern: str, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            if re.search(pattern, line):
-                return
-        raise AssertionError(f"never saw {pattern!r}:\n{''.join(self.lines[-40:])}")
-
-    def finish(self, timeout: float) -> tuple[int, str, float]:
-        start = time.monotonic()
-        try:
-            rest, _ = self.proc.communicate(timeout=timeout)
-        finally:
-            self.proc.kill()
-        return self.proc.returncode, "".join(self.lines) + rest, time.monotonic() - start
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -124,6 +47,7 @@ def small_tmpfs(mount: Path, size: str):
         subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.unit
 def test_checkpoints_keep_k_and_resume_skips_truncated_corrupt_and_foreign_files(tmp_path):
     directory = tmp_path / "checkpoints"
     for step in (2, 4, 6, 8):
@@ -154,6 +78,7 @@ def test_checkpoints_keep_k_and_resume_skips_truncated_corrupt_and_foreign_files
     assert len(messages) == 3 and "cannot be read" in messages[2]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not IS_ROOT, reason="mounting a small tmpfs needs root")
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     with small_tmpfs(tmp_path / "small", "1m") as mount:
@@ -169,6 +94,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
         assert torch.equal(load_checkpoint(mount)["w"], torch.zeros(64 * 1024))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not IS_ROOT, reason="mounting a small tmpfs needs root")
 def test_training_into_a_full_disk_stops_with_a_clear_error(tmp_path):
     with small_tmpfs(tmp_path / "small", "4m") as mount:
@@ -190,6 +116,7 @@ def test_training_into_a_full_disk_stops_with_a_clear_error(tmp_path):
         assert good["step"] >= 2 and verify_checkpoint(run / "checkpoints" / "last.pt") is None
 
 
+@pytest.mark.multiprocess
 def test_resume_from_a_corrupt_newest_checkpoint_uses_the_one_before(tmp_path):
     run = tmp_path / "run"
     # One node of two workers: what is tested is the checkpoint files, not the layout (and it starts faster).
@@ -211,6 +138,7 @@ def test_resume_from_a_corrupt_newest_checkpoint_uses_the_one_before(tmp_path):
 # ---------------------------------------------------------------- peer failure, restarts
 
 
+@pytest.mark.multiprocess
 def test_a_killed_worker_stops_the_whole_job_with_its_rank_named(tmp_path):
     job = Job(tmp_path, *SLOW, "trainer.max_steps=100000", "comm.timeout_s=20", "comm=hierarchical")
     job.wait_for(r"step 5/")
@@ -227,6 +155,7 @@ def test_a_killed_worker_stops_the_whole_job_with_its_rank_named(tmp_path):
     assert all_gone(everyone)  # no agent or worker left behind
 
 
+@pytest.mark.testbed
 @pytest.mark.skipif(TESTBED is not None, reason=f"testbed unavailable: {TESTBED}")
 def test_a_node_whose_link_goes_down_fails_the_job_within_the_timeout(tmp_path):
     timeout_s = 15  # also start-up's limit (store, groups): leave a loaded machine room
@@ -247,6 +176,7 @@ def test_a_node_whose_link_goes_down_fails_the_job_within_the_timeout(tmp_path):
     assert f"hybrid-{job.proc.pid}-" not in netns  # the testbed is gone too
 
 
+@pytest.mark.multiprocess
 def test_elastic_restart_resumes_and_ends_where_an_uninterrupted_run_ends(tmp_path):
     common = [*SLOW, "trainer.max_steps=16", "trainer.checkpoint_every=5", "comm=sharded"]
     clean = subprocess.run([sys.executable, "-m", "hybrid.train", *common, f"hydra.run.dir={tmp_path / 'clean'}"],
@@ -269,6 +199,7 @@ def test_elastic_restart_resumes_and_ends_where_an_uninterrupted_run_ends(tmp_pa
 # ---------------------------------------------------------------- guards
 
 
+@pytest.mark.multiprocess
 def test_replica_divergence_is_caught_on_every_rank_naming_the_diverged_one():
     messages = launch_local(Layout.parse("2x2"), reliability_targets.diverge_and_check, (2,), timeout_s=120)
     assert len(messages) == 4
@@ -288,6 +219,7 @@ def _files_with_a_nan(tmp_path: Path) -> list[str]:
             "data.features=16", "model.width=32", "data.batch_size=16", "trainer.max_steps=12"]
 
 
+@pytest.mark.multiprocess
 def test_non_finite_gradients_stop_the_run_by_default(tmp_path):
     out = subprocess.run([sys.executable, "-m", "hybrid.train", *_files_with_a_nan(tmp_path)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
@@ -296,6 +228,7 @@ def test_non_finite_gradients_stop_the_run_by_default(tmp_path):
                      out.stdout + out.stderr)
 
 
+@pytest.mark.multiprocess
 def test_non_finite_gradients_can_be_skipped(tmp_path):
     out = subprocess.run([sys.executable, "-m", "hybrid.train", *_files_with_a_nan(tmp_path),
                           "trainer.nonfinite_grads=skip", "trainer.check_replicas_every=4",
@@ -312,6 +245,7 @@ def test_non_finite_gradients_can_be_skipped(tmp_path):
 # ---------------------------------------------------------------- exposure
 
 
+@pytest.mark.multiprocess
 def test_a_local_job_listens_on_loopback_only():
     results = launch_local(Layout.parse("2x2"), reliability_targets.listening_sockets, (), timeout_s=120)
     sockets = [s for r in results for s in r["listening"]]

@@ -4,11 +4,14 @@ import json
 import subprocess
 import sys
 
+import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import hybrid.app.checks  # noqa: F401  registers the schema (train_schema) with Hydra's ConfigStore
 from hybrid.app.config import packaged_conf_dir
+
+pytestmark = pytest.mark.multiprocess
 
 MB25 = 25 * 2**20
 

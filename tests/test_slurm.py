@@ -17,11 +17,12 @@ pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-from test_launch import left_after, processes_with_marker  # noqa: E402
 
 import hybrid.app.checks  # noqa: E402  also registers the schema (train_schema) with Hydra's ConfigStore
 from hybrid.app.checks import compose_train_config  # noqa: E402
 from hybrid.runtime.slurm import SlurmNode, in_submitit_task, rdzv_port  # noqa: E402
+
+from helpers.processes import left_after, processes_with_marker  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TINY = ["model.width=32", "model.depth=1", "trainer.max_steps=3", "trainer.log_every=1", "data.num_samples=256",
@@ -34,6 +35,7 @@ def launcher_config(*overrides: str) -> dict:
     return {k: cfg.hydra.launcher[k] for k in ("_target_", "nodes", "tasks_per_node", "cpus_per_task")}
 
 
+@pytest.mark.unit
 def test_slurm_gets_one_task_per_node_and_local_one_task_per_simulated_node():
     slurm = launcher_config("hydra/launcher=slurm", "cluster=2x4")
     assert slurm == {"_target_": "hydra_plugins.hybrid_slurm_launcher.PerJobSlurmLauncher", "nodes": 2,
@@ -42,6 +44,7 @@ def test_slurm_gets_one_task_per_node_and_local_one_task_per_simulated_node():
     assert (local["nodes"], local["tasks_per_node"]) == (1, 3)
 
 
+@pytest.mark.unit
 def test_slurm_job_script_asks_for_the_nodes_one_task_each(tmp_path, monkeypatch):
     """From the yaml through hybrid's launcher and submitit to the sbatch script (submitit wants an srun)."""
     from hydra_plugins.hybrid_slurm_launcher import PerJobSlurmLauncher
@@ -69,6 +72,7 @@ def submitit_env(monkeypatch, executor: str, **variables: str) -> None:
         monkeypatch.setenv(name, value)
 
 
+@pytest.mark.unit
 def test_slurm_tasks_meet_on_the_first_host_at_a_port_of_the_job(monkeypatch):
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
     assert not in_submitit_task()
@@ -82,6 +86,7 @@ def test_slurm_tasks_meet_on_the_first_host_at_a_port_of_the_job(monkeypatch):
     assert SlurmNode.of_this_task(4, port=29400).rdzv_endpoint == "gpu07:29400"  # cluster.rdzv_port
 
 
+@pytest.mark.unit
 def test_task_count_other_than_nnodes_is_one_line_error(monkeypatch):
     submitit_env(monkeypatch, "local", SUBMITIT_LOCAL_JOB_ID="123", SUBMITIT_LOCAL_NTASKS="1",
                  SUBMITIT_LOCAL_GLOBALID="0", SUBMITIT_LOCAL_LOCALID="0")
@@ -96,6 +101,7 @@ def test_task_count_other_than_nnodes_is_one_line_error(monkeypatch):
         hybrid.app.checks.check_testbed(cfg)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("args", "needle"), [
     (["cluster.intra_mode=thread", "comm=flat"],
      "comm=flat: comm=flat is not available with cluster.intra_mode=thread"),
@@ -113,6 +119,7 @@ def test_bad_sweep_job_is_refused_before_anything_is_queued(tmp_path, args, need
     assert not (sweep / ".submitit").exists() and not (sweep / "0").exists()  # nothing submitted, nothing run
 
 
+@pytest.mark.multiprocess
 def test_sweep_of_two_layouts_one_elastic_agent_per_node_as_local_submitit_tasks(tmp_path):
     """2 simulated nodes x 1 worker as 2 local tasks, and a 1x1 job beside it: each job gets its own task count."""
     marker = uuid.uuid4().hex

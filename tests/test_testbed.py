@@ -14,11 +14,12 @@ import threading
 from pathlib import Path
 
 import pytest
-import testbed_targets
 
 from hybrid.core.topology import Layout
 from hybrid.runtime.launch import launch_local
 from hybrid.runtime.testbed import LinkShape, Testbed, cleanup_leftovers, nic_address, testbed_available
+
+from helpers import testbed_targets
 
 REASON = testbed_available()
 needs_testbed = pytest.mark.skipif(REASON is not None, reason=f"testbed unavailable: {REASON}")
@@ -31,6 +32,7 @@ def ours() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith("hybrid-")]
 
 
+@pytest.mark.testbed
 @needs_testbed
 def test_nodes_are_separate_namespaces_and_the_link_is_really_shaped():
     link_mbit, nbytes, repeats = 100.0, 4 * 2**20, 3
@@ -48,6 +50,7 @@ def test_nodes_are_separate_namespaces_and_the_link_is_really_shaped():
     assert min(r["seconds"] for r in results) > 0.8 * floor
 
 
+@pytest.mark.testbed
 @needs_testbed
 def test_bench_counts_the_bytes_crossing_each_nic_and_the_link_caps_utilisation(tmp_path):
     """2 nodes x 2 workers, 2 MiB: sharded's inter-node phase sends each worker's 1 MiB shard
@@ -104,6 +107,7 @@ def _send(bed: Testbed, src: int, dst: int, nic: int, nbytes: int) -> float:
     return float(out.stdout)
 
 
+@pytest.mark.testbed
 @needs_testbed
 def test_several_nics_per_node_each_its_own_shaped_rail_and_one_rate_per_node():
     """Node 0 and 1 at 100 Mbit/s, node 2 degraded to 25; two NICs each. What is sent to a NIC's address
@@ -126,6 +130,7 @@ def test_several_nics_per_node_each_its_own_shaped_rail_and_one_rate_per_node():
     assert slow > 0.8 * nbytes * 8 / 25e6
 
 
+@pytest.mark.testbed
 @needs_testbed
 def test_bench_with_two_nics_spreads_shardeds_cross_groups_over_both(tmp_path):
     """2 nodes x 2 workers, 2 NICs each, 2 MiB: sharded's two cross groups start on different NICs, so
@@ -159,6 +164,7 @@ def _host_links() -> dict[str, str]:
     return out
 
 
+@pytest.mark.testbed
 @needs_testbed
 def test_the_testbed_touches_only_links_it_created():
     before = _host_links()
@@ -172,6 +178,7 @@ def test_the_testbed_touches_only_links_it_created():
     assert after == before
 
 
+@pytest.mark.testbed
 @needs_testbed
 def test_two_testbeds_one_after_another_and_cleanup_on_error():
     for _ in range(2):
@@ -182,6 +189,7 @@ def test_two_testbeds_one_after_another_and_cleanup_on_error():
         assert ours() == []
 
 
+@pytest.mark.testbed
 @needs_testbed
 def test_leftover_of_a_killed_run_is_detected_and_removed():
     # A child creates a testbed and is SIGKILLed: nothing of it can clean up.
@@ -204,6 +212,7 @@ def test_leftover_of_a_killed_run_is_detected_and_removed():
         cleanup_leftovers()
 
 
+@pytest.mark.testbed
 @needs_testbed
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_training_run_interrupted_mid_way_leaves_no_namespace(sig, tmp_path):
@@ -231,6 +240,7 @@ def test_a_training_run_interrupted_mid_way_leaves_no_namespace(sig, tmp_path):
         run.wait(timeout=30)
 
 
+@pytest.mark.unit
 def test_without_root_the_testbed_says_so(monkeypatch):
     import hybrid.runtime.testbed as testbed
 
@@ -241,6 +251,7 @@ def test_without_root_the_testbed_says_so(monkeypatch):
     assert ours() == []
 
 
+@pytest.mark.testbed
 @needs_testbed
 def test_a_node_whose_links_go_down_is_left_behind_and_the_job_finishes_on_the_other(tmp_path):
     """2x1 on the testbed with two NICs per node, node 1 at a lower rate (the trainer's own path through the
@@ -249,7 +260,7 @@ def test_a_node_whose_links_go_down_is_left_behind_and_the_job_finishes_on_the_o
     and restarts its worker alone, which resumes and finishes; the run exits 0."""
     import time
 
-    from test_reliability import Job
+    from helpers.processes import Job
 
     timeout_s = 8
     job = Job(tmp_path, "cluster.testbed.enabled=true", "cluster.testbed.link_mbit=[500,200]",
@@ -277,6 +288,7 @@ STRAGGLER_RUN = ["cluster.testbed.enabled=true", "cluster.testbed.link_mbit=1000
                  "trainer.max_steps=24", "trainer.log_every=8", "trainer.straggler_steps=5"]
 
 
+@pytest.mark.testbed
 @needs_testbed
 def test_a_node_given_a_quarter_of_the_cpu_is_named_the_slowest_and_equal_nodes_are_not(tmp_path):
     """2x2 on the testbed, node 1's cgroup at a quarter of node 0's CPU (cluster.testbed.cpu_quota): metrics.json's
@@ -309,6 +321,7 @@ def test_a_node_given_a_quarter_of_the_cpu_is_named_the_slowest_and_equal_nodes_
     assert ours() == [] and not list(Path("/sys/fs/cgroup/cpu").glob("hybrid-*"))
 
 
+@pytest.mark.testbed
 @needs_testbed
 def test_the_link_probe_names_the_node_with_the_slow_nic(tmp_path):
     """3x1, node 2's NIC at 100 Mbit/s and the others' at 500: the bench's link probe names node 2."""

@@ -24,6 +24,7 @@ from hybrid.runtime import cpu_limit
 from hybrid.runtime.testbed import per_node_cpus
 
 
+@pytest.mark.unit
 def test_recorder_splits_backward_at_the_last_gradient_and_keeps_spans_only_in_the_window():
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
     rec = StepRecorder(PHASES)
@@ -48,6 +49,7 @@ def test_recorder_splits_backward_at_the_last_gradient_and_keeps_spans_only_in_t
     assert not model[0].weight._post_accumulate_grad_hooks  # the hooks are gone
 
 
+@pytest.mark.unit
 def test_phases_reach_the_recorder_through_the_counters_with_their_bucket_and_exposed_share():
     rec = StepRecorder(PHASES)
     counters = PhaseCounters(rec)
@@ -68,6 +70,7 @@ def test_phases_reach_the_recorder_through_the_counters_with_their_bucket_and_ex
     assert counters.snapshot()["flat_allreduce"].seconds == 1.0
 
 
+@pytest.mark.unit
 def test_phases_in_flight_at_once_share_the_exposed_time_instead_of_counting_it_twice():
     """Flat's buckets overlap: two all-reduces 100..104 and 102..106 after a backward ending at 101 expose 5 s of
     wall time (101..106), not 3 + 4; a pipeline's intra and inter phases at once share likewise."""
@@ -85,6 +88,7 @@ def test_phases_in_flight_at_once_share_the_exposed_time_instead_of_counting_it_
     assert sum(times.exposed.values()) == 4.0  # the wall time, not more
 
 
+@pytest.mark.unit
 def test_chrome_trace_puts_overlapping_comm_spans_on_tracks_of_their_own_and_aligns_clocks():
     rec = StepRecorder(PHASES)
     rec.recording, rec.step = True, 1
@@ -118,6 +122,7 @@ def _node(compute: float, backward_share: float = 0.5) -> dict[str, float]:
     return {**parts, "compute": compute}
 
 
+@pytest.mark.unit
 def test_a_straggler_is_a_node_beyond_the_margin_of_the_others_median():
     assert find_straggler({0: _node(1.0), 1: _node(4.0, 0.8)}, 0.25) == {"node": 1, "ratio": 4.0,
                                                                           "segment": "backward"}
@@ -127,6 +132,7 @@ def test_a_straggler_is_a_node_beyond_the_margin_of_the_others_median():
     assert find_straggler({0: _node(1.0)}, 0.25) is None  # one node waits for nobody
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("n", range(2, 9))
 def test_round_robin_meets_every_pair_once_and_no_node_twice_in_a_round(n):
     rounds = round_robin(n)
@@ -138,6 +144,7 @@ def test_round_robin_meets_every_pair_once_and_no_node_twice_in_a_round(n):
     assert len(rounds) == (n - 1 if n % 2 == 0 else n)
 
 
+@pytest.mark.unit
 def test_link_report_names_the_node_whose_best_link_is_slow():
     def report(rates: dict[int, float]) -> LinkReport:  # a link runs at the slower NIC's rate
         n = len(rates)
@@ -150,6 +157,7 @@ def test_link_report_names_the_node_whose_best_link_is_slow():
     assert "slow: node(s) 2" in "\n".join(report({0: 0.5, 1: 0.5, 2: 0.1}).table())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("steps, ok", [([3, 5], True), ([1, 1], True), ([5, 3], False), ([0, 2], False),
                                        ([3], False), ("3-5", False), ([3.0, 5], False)])
 def test_timeline_window_is_two_steps_in_order(steps, ok):
@@ -161,6 +169,7 @@ def test_timeline_window_is_two_steps_in_order(steps, ok):
             t.timeline_window  # noqa: B018
 
 
+@pytest.mark.unit
 def test_per_node_cpus_takes_one_for_all_or_one_per_node():
     assert per_node_cpus(0.5, 3) == [0.5, 0.5, 0.5]
     assert per_node_cpus([1, 0.25], 2) == [1.0, 0.25]
@@ -177,6 +186,7 @@ def _cgroups_here() -> str | None:
     return None
 
 
+@pytest.mark.testbed
 @pytest.mark.skipif(_cgroups_here() is not None, reason=str(_cgroups_here()))
 def test_a_process_in_a_node_cgroup_gets_its_cpu_quota_and_the_cgroup_is_removed():
     """A busy loop of 1.5 s wall clock inside a cgroup of 0.2 CPU gets about 0.3 s of CPU, with all its children."""

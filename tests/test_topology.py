@@ -4,6 +4,8 @@ import pytest
 
 from hybrid.core.topology import Layout, RankInfo, WorkerEnv, build_topology
 
+pytestmark = pytest.mark.unit
+
 
 def infos_for(node_sizes, order=None):
     infos, rank = [], 0

@@ -31,8 +31,9 @@ def default_run(tmp_path_factory):
     return cwd, out, time.monotonic() - start
 
 
+@pytest.mark.multiprocess
 def test_default_job_finishes_and_says_where_results_are(default_run):
-    """How fast is measured in the README (about 20 s on 2 cores); here only a gross regression fails."""
+    """How fast is measured in the README; here only a gross regression fails."""
     cwd, out, elapsed = default_run
     assert out.returncode == 0, out.stderr[-3000:]
     assert elapsed < 180
@@ -42,6 +43,7 @@ def test_default_job_finishes_and_says_where_results_are(default_run):
     assert re.search(r"step 50/50\s+loss [\d.]+\s+lr [\d.e-]+\s+\d+ samples/s", out.stdout)
 
 
+@pytest.mark.multiprocess
 def test_metrics_json_has_the_documented_keys(default_run):
     cwd, out, _ = default_run
     metrics = json.loads(Path(re.search(r"metrics: (\S+)", out.stdout).group(1)).read_text())
@@ -55,6 +57,7 @@ def test_metrics_json_has_the_documented_keys(default_run):
     assert metrics["bytes"]["inter_allreduce"] > 0 and metrics["comm_s"]["intra_reduce"] > 0
 
 
+@pytest.mark.multiprocess
 def test_only_rank_zero_writes_one_run_dir(default_run):
     cwd, out, _ = default_run
     runs = list((cwd / "outputs" / "runs").iterdir())
@@ -63,6 +66,7 @@ def test_only_rank_zero_writes_one_run_dir(default_run):
     assert sorted(p.name for p in cwd.iterdir()) == ["data", "outputs"]
 
 
+@pytest.mark.multiprocess
 def test_tensorboard_has_per_phase_scalars_and_hparams(default_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
@@ -131,6 +135,7 @@ BAD = [
 ]
 
 
+@pytest.mark.multiprocess
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
     """The whole path once, as a user runs it; the other cases below go through the same precheck in-process."""
     start = time.monotonic()
@@ -142,6 +147,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("args,needle", BAD)
 def test_every_bad_input_is_named_in_one_line_and_writes_nothing(args, needle, tmp_path, monkeypatch):
     from hybrid.app.checks import precheck
@@ -174,6 +180,7 @@ def _bad_files(where: Path) -> dict[str, tuple[list[str], str]]:
     }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", ["shape", "dtype", "empty", "targets", "unreadable"])
 def test_bad_data_files_are_one_line_and_write_nothing(case, tmp_path_factory, monkeypatch):
     from hybrid.app.checks import precheck
@@ -186,6 +193,7 @@ def test_bad_data_files_are_one_line_and_write_nothing(case, tmp_path_factory, m
     assert list(cwd.iterdir()) == []
 
 
+@pytest.mark.multiprocess
 def test_resume_of_a_non_run_or_another_model_is_refused_before_anything_runs(tmp_path):
     run = tmp_path / "run"
     first = hybrid_train(*SMALL, "cluster=1x2", f"hydra.run.dir={run}", cwd=tmp_path)
@@ -204,6 +212,7 @@ def test_resume_of_a_non_run_or_another_model_is_refused_before_anything_runs(tm
         assert [p.name for p in cwd.iterdir()] in ([], ["data"])  # at most the (shared) synthetic data
 
 
+@pytest.mark.multiprocess
 def test_help_lists_the_config_groups(tmp_path):
     out = hybrid_train("--help", cwd=tmp_path, timeout=60)
     assert out.returncode == 0
@@ -213,6 +222,7 @@ def test_help_lists_the_config_groups(tmp_path):
         assert line in out.stdout
 
 
+@pytest.mark.unit
 def test_more_gpu_workers_than_gpus_is_refused(monkeypatch):
     import torch
 
@@ -225,6 +235,7 @@ def test_more_gpu_workers_than_gpus_is_refused(monkeypatch):
         check_devices(cfg)
 
 
+@pytest.mark.multiprocess
 def test_an_earlier_run_dir_is_never_overwritten(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
@@ -235,6 +246,7 @@ def test_an_earlier_run_dir_is_never_overwritten(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.json"]
 
 
+@pytest.mark.multiprocess
 def test_under_real_torchrun_two_agents_2x2_hierarchical(tmp_path):
     run = tmp_path / "run"
     port = free_port()
@@ -257,6 +269,7 @@ def test_under_real_torchrun_two_agents_2x2_hierarchical(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "run"]
 
 
+@pytest.mark.multiprocess
 def test_under_torchrun_an_elastic_run_needs_a_fixed_run_dir_and_a_restart_continues_it(monkeypatch, tmp_path):
     """A torchrun restart re-runs main(): rank 0 must find this run's directory (not a new timestamped one) and
     must not refuse it for holding a run: it is the run being continued."""
@@ -276,6 +289,7 @@ def test_under_torchrun_an_elastic_run_needs_a_fixed_run_dir_and_a_restart_conti
     assert precheck([*elastic, "hydra.run.dir=run"]) is None
 
 
+@pytest.mark.multiprocess
 def test_torchrun_layout_conflicting_with_cluster_override_is_an_error(monkeypatch):
     from hybrid.app.checks import check_torchrun_layout
 

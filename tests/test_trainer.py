@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import train_workers
-from once import once
-from readme_example import write_example
 
 from hybrid.app.checks import check_components, compose_train_config
 from hybrid.app.components.data import ArrayDataset, BatchStream
@@ -23,100 +17,11 @@ from hybrid.app.config import OptimConfig, TrainConfig
 from hybrid.app.setup import build_model, load_dataset
 from hybrid.app.state.checkpoint import load_checkpoint, save_checkpoint
 from hybrid.app.targets import Component
-from hybrid.runtime.launch import launch_local
 
-ROOT = Path(tempfile.mkdtemp(prefix="hybrid-trainer-tests-"))
-
-
-BASE = ["comm.bucket_mb=0.01", "comm.timeout_s=120", "optim.lr=0.1", "optim.warmup_steps=5", "trainer.max_steps=20",
-        "trainer.log_every=10"]
-# Unless a run picks another model and data: ~6 buckets of this MLP.
-MLP_ON_SYNTHETIC = ["model.width=64", "model.depth=3", f"data.root={ROOT / 'data'}", "data.num_samples=2048",
-                    "data.batch_size=16"]
-EXAMPLE = ROOT / "example"  # the package and configs of docs/your-model.md's worked example
-
-COMMS = ["ddp", "flat", "hierarchical", "sharded"]
-# Hugging Face's GPT2LMHeadModel (tied embeddings) on the Python docs' text that ships with CPython, byte-level.
-GPT2_ON_TEXT = ["model=gpt2", "model.width=32", "model.depth=2", "model.heads=4", "data=text", "data.seq_len=32"]
-# docs/your-model.md's worked example: frozen layer, BatchNorm, shared block, tied head, own dataset and loss.
-MINE = ["model=mynet", "data=spirals", "loss=smoothed", "optim=adamw", "optim.lr=0.01", "data.batch_size=16"]
-# Gradients copied out of DDP's buckets here (the other path of settle_buckets and of zero_grad).
-HIERARCHICAL_BF16 = ["comm=hierarchical", "comm.inter_compression=bf16", "comm.grad_as_bucket_view=false"]
-SHARDED_FP16 = ["comm=sharded", "comm.inter_compression=fp16"]
-PLANS = {
-    "2x2": [(c, [f"comm={c}"]) for c in COMMS] + [
-        ("straight", ["trainer.max_steps=40"]),
-        ("resumed", ["trainer.max_steps=40", "trainer.stop_after=20"]),
-        ("resumed", ["trainer.max_steps=40", "trainer.resume=true"]),
-        ("accum", ["comm=hierarchical", "trainer.grad_accum_steps=2"]),
-        ("hierarchical+bf16", HIERARCHICAL_BF16),
-        ("hierarchical+bf16-resumed", [*HIERARCHICAL_BF16, "trainer.stop_after=10"]),
-        ("hierarchical+bf16-resumed", [*HIERARCHICAL_BF16, "trainer.resume=true"]),
-        ("sharded+fp16", SHARDED_FP16),
-        ("sharded+fp16-resumed", [*SHARDED_FP16, "trainer.stop_after=10"]),
-        ("sharded+fp16-resumed", [*SHARDED_FP16, "trainer.resume=true"]),
-        ("auto", ["comm=auto"]),
-        # Clipping of the averaged gradients, bf16 autocast, DDP's find_unused_parameters (issue 17's trainer keys).
-        ("clip-ddp", ["comm=ddp", "trainer.grad_clip_norm=0.05"]),
-        ("clip-hierarchical", ["comm=hierarchical", "trainer.grad_clip_norm=0.05"]),
-        ("bf16-ddp", ["comm=ddp", "trainer.precision=bf16"]),
-        ("bf16-sharded", ["comm=sharded", "comm.find_unused_parameters=true", "trainer.precision=bf16"]),
-        # timeline.json of steps 3..6 (issue 20), and of the default window with flat's buckets in flight at once.
-        ("timeline-hierarchical", ["comm=hierarchical", "trainer.timeline=true", "trainer.timeline_steps=[3,6]"]),
-        ("timeline-flat", ["comm=flat", "trainer.timeline=true"]),
-    ] + [(f"gpt2-{c}", [f"comm={c}", *GPT2_ON_TEXT]) for c in ("ddp", "hierarchical", "sharded")]
-      + [(f"mine-{c}", [f"comm={c}", *MINE]) for c in COMMS]
-      + [("mine-hierarchical-resumed", ["comm=hierarchical", *MINE, *extra])
-         for extra in (["trainer.stop_after=10"], ["trainer.resume=true"])]
-      + [("mine-sharded+bf16", [*MINE, "comm=sharded", "comm.inter_compression=bf16"]),
-         ("mine-auto", [*MINE, "comm=auto"])]
-      # Issue 21's peers: torch FSDP2 as HSDP, and torch's own DDP hooks (the bf16 one refuses gloo).
-      + [("hsdp", ["comm=hsdp"]),
-         ("hsdp-resumed", ["comm=hsdp", "trainer.stop_after=10", "trainer.check_replicas_every=5"]),
-         ("hsdp-resumed", ["comm=hsdp", "trainer.resume=true", "trainer.check_replicas_every=5"]),
-         ("hsdp-accum", ["comm=hsdp", "trainer.grad_accum_steps=2"]),
-         ("hsdp-clip", ["comm=hsdp", "trainer.grad_clip_norm=0.05"]),
-         ("gpt2-hsdp", ["comm=hsdp", *GPT2_ON_TEXT]),
-         ("mine-hsdp", ["comm=hsdp", *MINE]),
-         ("ddp+fp16-hook", ["comm=ddp", "comm.torch_hook=fp16"]),
-         # One bucket: torch's PowerSGD hook aborts on gloo with more (hybrid.app.checks.check_powersgd_buckets).
-         ("ddp+powersgd-hook", ["comm=ddp", "comm.torch_hook=powersgd", "comm.powersgd_warmup_steps=5",
-                                "comm.bucket_mb=25"])],
-    "4x2": [(c, [f"comm={c}"]) for c in COMMS] + [
-        (f"{c}-resumed", [f"comm={c}", *resume])
-        for c in ("ddp", "sharded") for resume in (["trainer.stop_after=10"], ["trainer.resume=true"])
-    ],
-    # Three ranks: plain DDP divides by a world size that is not a power of two.
-    "3x1": [(c, [f"comm={c}"]) for c in ("ddp", "hierarchical")] + [
-        (f"{c}-resumed", [f"comm={c}", *resume])
-        for c in ("ddp", "hierarchical") for resume in (["trainer.stop_after=10"], ["trainer.resume=true"])
-    ],
-}
+from helpers.trainer_job import COMMS, job, model_state
 
 
-def settings(layout: str, overrides: list[str]) -> TrainConfig:
-    """What ``python -m hybrid.train --config-dir <example>/myconf`` would run with these overrides."""
-    nnodes, nproc = map(int, layout.split("x"))
-    own_data = any(o.startswith(("model=", "data=")) for o in overrides)
-    return compose_train_config([*BASE, *([] if own_data else MLP_ON_SYNTHETIC), f"cluster.nnodes={nnodes}",
-                                 f"cluster.nproc_per_node={nproc}", *overrides], user_dirs=[EXAMPLE / "myconf"])
-
-
-@once
-def job(layout: str) -> tuple[Path, dict]:
-    if not EXAMPLE.is_dir():
-        write_example(EXAMPLE)
-        sys.path.insert(0, str(EXAMPLE))  # mypkg, for this process and the spawned workers (they inherit it)
-    plan = [(name, settings(layout, overrides)) for name, overrides in PLANS[layout]]
-    check_components(plan[0][1])  # generate the synthetic data once, before the ranks start
-    root = ROOT / layout
-    return root, launch_local(plan[0][1].layout, train_workers.runs, (str(root), plan), timeout_s=300)[0]
-
-
-def model_state(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
-
-
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", ["2x2", "4x2"])
 def test_hybrid_comms_match_plain_ddp_and_replicas_are_identical(layout):
     root, results = job(layout)
@@ -135,6 +40,7 @@ def test_hybrid_comms_match_plain_ddp_and_replicas_are_identical(layout):
     assert results["ddp"]["comm_s"]["inter_allreduce"] == 0
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name, phases", [("timeline-hierarchical", ["intra_reduce", "inter_allreduce", "intra_broadcast"]),
                                           ("timeline-flat", ["flat_allreduce"])])
 def test_the_timeline_holds_every_rank_and_phase_and_its_spans_add_up_to_the_counters(name, phases):
@@ -166,6 +72,7 @@ def test_the_timeline_holds_every_rank_and_phase_and_its_spans_add_up_to_the_cou
     assert results[name]["param_checksums_identical"]
 
 
+@pytest.mark.multiprocess
 def test_metrics_account_every_ranks_step_and_name_no_slowest_node_without_a_margin():
     _, results = job("2x2")
     for comm in COMMS:
@@ -183,6 +90,7 @@ def test_metrics_account_every_ranks_step_and_name_no_slowest_node_without_a_mar
             assert metrics["slowest_node_detail"]["ratio"] > 1.25
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["hierarchical+bf16", "sharded+fp16"])
 def test_a_compressed_inter_node_hop_sends_half_the_bytes_and_trains_like_ddp(name):
     root, results = job("2x2")
@@ -197,6 +105,7 @@ def test_a_compressed_inter_node_hop_sends_half_the_bytes_and_trains_like_ddp(na
     assert abs(metrics["final_loss"] - results["ddp"]["final_loss"]) < 0.01 * results["ddp"]["final_loss"]
 
 
+@pytest.mark.multiprocess
 def test_auto_records_its_calibration_and_choices_and_trains_like_ddp():
     root, results = job("2x2")
     metrics = results["auto"]
@@ -217,6 +126,7 @@ def test_auto_records_its_calibration_and_choices_and_trains_like_ddp():
         torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.multiprocess
 def test_twenty_steps_plus_resume_equals_forty_straight_bitwise():
     root, results = job("2x2")
     straight = torch.load(root / "straight" / "checkpoints" / "last.pt", weights_only=True)
@@ -230,6 +140,7 @@ def test_twenty_steps_plus_resume_equals_forty_straight_bitwise():
     assert results["resumed"]["param_checksum"] == results["straight"]["param_checksum"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name, holders", [("hierarchical+bf16", 2), ("sharded+fp16", 4)])
 def test_a_compressed_run_resumes_bitwise_with_every_ranks_error_feedback(name, holders):
     """Each rank's residuals (what 16-bit rounding dropped) travel in the checkpoint and come back to the
@@ -247,6 +158,7 @@ def test_a_compressed_run_resumes_bitwise_with_every_ranks_error_feedback(name, 
     assert len(per_rank) == 4 and sum(bool(r[algorithm]["residuals"]) for r in per_rank) == holders
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, comm", [("4x2", "ddp"), ("4x2", "sharded"), ("3x1", "ddp"), ("3x1", "hierarchical")])
 def test_resume_on_more_than_two_nodes_is_bitwise_too(layout, comm):
     """Rings of three or four leaders (or eight ranks) sum each element in an order that depends on its
@@ -261,6 +173,7 @@ def test_resume_on_more_than_two_nodes_is_bitwise_too(layout, comm):
         assert torch.equal(straight["model"][key], resumed["model"][key]), key
 
 
+@pytest.mark.multiprocess
 def test_gradient_accumulation_syncs_only_on_the_final_micro_step():
     root, results = job("2x2")
     # Twice the micro-batches per step, the same gradient traffic: no_sync skipped the rest.
@@ -268,12 +181,14 @@ def test_gradient_accumulation_syncs_only_on_the_final_micro_step():
     assert results["accum"]["param_checksums_identical"]
 
 
+@pytest.mark.multiprocess
 def test_training_reduces_the_loss():
     root, results = job("2x2")
     # 40 steps of the learnable synthetic task: loss well below chance (ln 10 = 2.30)
     assert results["straight"]["final_loss"] < 2.0
 
 
+@pytest.mark.unit
 def test_lr_warmup_then_cosine_to_floor():
     sgd = Component("optim", "torch.optim.SGD", {"_partial_": True, "lr": 1.0})
     cfg = OptimConfig(sgd, warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
@@ -284,6 +199,7 @@ def test_lr_warmup_then_cosine_to_floor():
     assert lr_factor(7, OptimConfig(sgd, warmup_steps=0, schedule="constant"), 20) == 1.0
 
 
+@pytest.mark.unit
 def test_synthetic_data_is_generated_once_and_reused(tmp_path):
     spec = DatasetSpec("vectors", 100, 8, 3, 4, 16, 8, seed=1)
     x_path, y_path = ensure_synthetic(tmp_path, spec)
@@ -294,6 +210,7 @@ def test_synthetic_data_is_generated_once_and_reused(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [spec.dirname]  # no temp leftovers
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "x,y,kind,needle",
     [
@@ -312,6 +229,7 @@ def test_bad_data_is_rejected_with_the_reason(x, y, kind, needle):
     assert needle in str(err.value) and "x.npy" in str(err.value)
 
 
+@pytest.mark.unit
 def test_batch_stream_restores_mid_epoch_exactly():
     data = ArrayDataset(np.arange(64, dtype=np.float32).reshape(32, 2), np.arange(32) % 3)
     straight = BatchStream(data, 4, rank=1, world=2, seed=3, pin_memory=False, num_workers=0)
@@ -334,6 +252,7 @@ def _streams(data, world: int, batch: int = 2) -> list[BatchStream]:
             for r in range(world)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("new_world", [1, 2, 3, 5])
 def test_a_stream_resumed_on_another_world_size_reads_exactly_the_epochs_remaining_samples(new_world):
     """4 workers read 3 global batches of an epoch of 48; resumed on another world size, the new workers
@@ -358,6 +277,7 @@ def test_a_stream_resumed_on_another_world_size_reads_exactly_the_epochs_remaini
     assert after[0].state()["epoch"] == 1
 
 
+@pytest.mark.unit
 def test_a_steps_samples_do_not_depend_on_how_its_global_batch_is_split():
     """2x2 workers x 1 micro-batch and 1x2 workers x 2 micro-batches (grad_accum_steps) read the same 8
     samples in each step: a world-size change with the same global batch trains on the same data."""
@@ -367,6 +287,7 @@ def test_a_steps_samples_do_not_depend_on_how_its_global_batch_is_split():
         assert sorted(i for s in four for i in _ids(s)) == sorted(i for _ in range(2) for s in two for i in _ids(s))
 
 
+@pytest.mark.unit
 def test_a_data_position_from_an_older_hybrid_continues_where_it_can_and_says_so():
     """Older checkpoints kept (epoch, batch per rank) in DistributedSampler's order: the run goes on at the
     same number of samples into the epoch, with a note that this epoch's rest is approximate."""
@@ -380,6 +301,7 @@ def test_a_data_position_from_an_older_hybrid_continues_where_it_can_and_says_so
     assert stream.restore({"epoch": 1, "samples": 12}) is None
 
 
+@pytest.mark.unit
 def test_checkpoint_is_atomic_and_weights_only(tmp_path):
     save_checkpoint(tmp_path / "checkpoints", {"model": {"w": torch.ones(2)}, "step": 3}, 3)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
@@ -391,6 +313,7 @@ def test_checkpoint_is_atomic_and_weights_only(tmp_path):
         load_checkpoint(tmp_path / "checkpoints")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
 def test_each_model_trains_on_its_synthetic_data(name, tmp_path):
     from hybrid.app.components.models import param_bytes
@@ -417,6 +340,7 @@ def test_each_model_trains_on_its_synthetic_data(name, tmp_path):
     assert sizes[1] > sizes[0]  # width is a real knob on gradient bytes
 
 
+@pytest.mark.unit
 def test_users_npy_and_pt_files_are_accepted(tmp_path):
     x = np.random.default_rng(0).standard_normal((40, 6)).astype(np.float32)
     y = np.arange(40) % 3
@@ -435,6 +359,7 @@ def test_users_npy_and_pt_files_are_accepted(tmp_path):
                                            "data.classes=3"]).data)
 
 
+@pytest.mark.unit
 def test_any_torch_optimizer_by_target():
     params = [torch.nn.Parameter(torch.ones(2))]
     opt = build_optimizer(params, compose_train_config(["optim=adamw", "optim.weight_decay=0.02"]).optim)
@@ -444,6 +369,7 @@ def test_any_torch_optimizer_by_target():
     assert isinstance(opt, torch.optim.RMSprop) and opt.defaults["alpha"] == 0.9 and opt.defaults["lr"] == 0.5
 
 
+@pytest.mark.multiprocess
 def test_clipping_applies_to_the_averaged_gradients_alike_on_every_rank():
     """A clip norm far below the gradients' norm changes the run, the same way for our hook as for DDP."""
     root, results = job("2x2")
@@ -455,6 +381,7 @@ def test_clipping_applies_to_the_averaged_gradients_alike_on_every_rank():
         torch.testing.assert_close(model_state(root / "clip-hierarchical")[key], tensor, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_bf16_autocast_trains_with_fp32_weights_and_averages_like_ddp():
     """Autocast rounds the forward (another run than fp32), the weights stay fp32, the replicas identical; with
     find_unused_parameters passed to DDP, sharded stays with plain DDP under the same autocast."""
@@ -470,6 +397,7 @@ def test_bf16_autocast_trains_with_fp32_weights_and_averages_like_ddp():
     assert abs(results["bf16-sharded"]["final_loss"] - results["ddp"]["final_loss"]) < 0.05 * results["ddp"]["final_loss"]
 
 
+@pytest.mark.multiprocess
 def test_gpt2_on_real_text_matches_plain_ddp_and_its_loss_falls():
     """A real model from a well-kept library (transformers' GPT-2, input and output embeddings tied) on real
     text: every comm ends within assert_close of plain DDP, replicas identical, the weights still tied, and
@@ -486,8 +414,9 @@ def test_gpt2_on_real_text_matches_plain_ddp_and_its_loss_falls():
             torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{comm} {key}")
 
 
+@pytest.mark.multiprocess
 def test_a_users_own_model_data_and_loss_match_plain_ddp_and_resume_bitwise():
-    """Issue 17's acceptance, on docs/your-model.md's worked example given only through --config-dir: a frozen layer, a
+    """The whole user path, on docs/your-model.md's worked example given only through --config-dir: a frozen layer, a
     BatchNorm (buffers broadcast from rank 0, as plain DDP does), one block applied twice, a head tied to the
     class embeddings, its own dataset and loss. flat, hierarchical and sharded end within assert_close of plain
     DDP after 20 steps on 2x2 with identical replicas; 10 steps + resume end on 20 straight steps' bits."""

@@ -1,4 +1,4 @@
-"""A user's own model, data, loss and optimizer through Hydra ``_target_`` and ``--config-dir`` (issue 17).
+"""A user's own model, data, loss and optimizer through Hydra ``_target_`` and ``--config-dir``.
 
 The package and configs are the worked example of docs/your-model.md, read from
 that page itself; the 2x2 parity and resume runs of it are in tests/test_trainer.py.
@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from readme_example import write_example
 
 from hybrid.app.checks import precheck
+
+from helpers.readme_example import write_example
 
 # Things that go wrong in a user's package, each built the way a user would write it.
 BAD_PACKAGE = '''
@@ -96,6 +97,7 @@ BAD = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overrides, line", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_a_bad_component_is_one_line_naming_it_exit_2_and_nothing_written(example, overrides, line, monkeypatch,
                                                                            capsys):
@@ -113,6 +115,7 @@ def test_a_bad_component_is_one_line_naming_it_exit_2_and_nothing_written(exampl
     assert sorted(p.relative_to(example) for p in example.rglob("*") if "__pycache__" not in p.parts) == before
 
 
+@pytest.mark.unit
 def test_a_config_dir_that_does_not_exist_is_one_line(example):
     assert precheck(["--config-dir", "nosuch", "model=mynet"]) == "--config-dir 'nosuch' does not exist or is not a directory"
 
@@ -122,6 +125,7 @@ def hybrid_train(*args: str, cwd: Path, timeout: float = 240) -> subprocess.Comp
                           timeout=timeout)
 
 
+@pytest.mark.multiprocess
 def test_a_bad_component_exits_2_before_anything_is_written(example):
     out = hybrid_train(*MINE, "model._target_=mypkg.Nope", "hydra.run.dir=runs/bad", cwd=example, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
@@ -131,6 +135,7 @@ def test_a_bad_component_exits_2_before_anything_is_written(example):
     assert not (example / "runs").exists()
 
 
+@pytest.mark.multiprocess
 def test_the_readme_example_runs_verbatim(tmp_path):
     """The worked example's files and command (docs/your-model.md), as a reader copies them into an empty directory."""
     command = write_example(tmp_path)
@@ -143,6 +148,7 @@ def test_the_readme_example_runs_verbatim(tmp_path):
     assert metrics["final_loss"] < math.log(3)  # below a uniform guess over the three spirals
 
 
+@pytest.mark.multiprocess
 def test_a_sweep_over_a_users_model_and_a_built_in_one(example):
     """``-m model=mynet,mlp`` on the user's data: both jobs run, and the report tells them apart."""
     out = hybrid_train("-m", *[a for a in MINE if a != "model=mynet"], "model=mynet,mlp", "cluster.nnodes=1",
@@ -193,6 +199,7 @@ batch_size: 8
 '''
 
 
+@pytest.mark.multiprocess
 def test_a_hugging_face_model_with_its_own_loss_and_dict_inputs(tmp_path):
     """transformers' GPT2LMHeadModel named directly (its GPT2Config built by Hydra's recursive instantiate),
     fed dicts of input_ids and labels: its output's own .loss is what trains (the default cross-entropy could
@@ -210,6 +217,7 @@ def test_a_hugging_face_model_with_its_own_loss_and_dict_inputs(tmp_path):
     assert metrics["final_loss"] < 0.5 * math.log(32), metrics["final_loss"]
 
 
+@pytest.mark.multiprocess
 def test_the_train_benchmark_compares_comms_on_a_users_own_model(example):
     """``python -m hybrid.bench train --config-dir``: the flat-vs-hierarchical comparison on one's own parts."""
     out = subprocess.run([sys.executable, "-m", "hybrid.bench", "train", "--layouts", "1x2", "--comms",

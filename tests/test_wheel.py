@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.packaging
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["cluster.nnodes=1", "cluster.nproc_per_node=1", "trainer.max_steps=2", "trainer.log_every=1", "data.num_samples=256", "model.width=16"]
 

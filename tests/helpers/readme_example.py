@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "your-model.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "your-model.md"
 SECTION = "## Worked example"
 
 

@@ -1,0 +1,139 @@
+"""Processes of a test's jobs: the tree under a pid, a job's agents and workers, leftovers, and
+``python -m hybrid.train`` run in the background with its output read line by line."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["Job", "agent_of_node", "agents", "all_gone", "descendants", "left_after", "processes_with_marker",
+           "running", "workers"]
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if f"HYBRID_TEST_MARKER={marker}".encode() in (proc / "environ").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def left_after(pids_now: Callable[[], list[int]], within_s: float) -> list[int]:
+    """``pids_now()`` once it is empty, or when ``within_s`` have passed: processes already killed (and
+    multiprocessing's helpers) may take a moment to go, a leak stays."""
+    deadline = time.monotonic() + within_s
+    while (left := pids_now()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            tree.setdefault(int(fields[1]), []).append(int(entry))
+    return tree
+
+
+def descendants(pid: int) -> list[int]:
+    tree, out, todo = _children(), [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def all_gone(pids: list[int], within_s: float = 10.0) -> bool:
+    """Whether every process in ``pids`` has exited, allowing ``within_s`` for ones already killed to go."""
+    return left_after(lambda: [p for p in pids if running(p)], within_s) == []
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _argv(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+def agents(root: int) -> list[int]:
+    """The elastic agents under ``root`` (``python -m hybrid.runtime.agent JOB_DIR NODE``); their forked
+    workers carry the same command line, so an agent is one whose parent is not an agent."""
+    under = set(descendants(root))
+    named = {pid for pid in under if b"hybrid.runtime.agent" in _argv(pid)}
+    return sorted(pid for pid in named if _parent(pid) not in named)
+
+
+def agent_of_node(root: int, node: int) -> int:
+    """The pid of the elastic agent of ``node`` under ``root``."""
+    found = [pid for pid in agents(root) if _argv(pid)[-2:] == [str(node).encode(), b""]]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def workers(root: int) -> list[int]:
+    """The training processes under ``root``: the children of its elastic agents (forked or spawned), not
+    multiprocessing's resource tracker."""
+    mine = set(agents(root))
+    found = [pid for pid in descendants(root)
+             if _parent(pid) in mine and not any(b"resource_tracker" in a for a in _argv(pid))]
+    assert found, f"no worker process under pid {root}"
+    return sorted(found)
+
+
+class Job:
+    """``python -m hybrid.train`` in the background, its output read line by line."""
+
+    def __init__(self, cwd: Path, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "hybrid.train", *args], cwd=cwd, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+
+    def wait_for(self, pattern: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            if re.search(pattern, line):
+                return
+        raise AssertionError(f"never saw {pattern!r}:\n{''.join(self.lines[-40:])}")
+
+    def finish(self, timeout: float) -> tuple[int, str, float]:
+        start = time.monotonic()
+        try:
+            rest, _ = self.proc.communicate(timeout=timeout)
+        finally:
+            self.proc.kill()
+        return self.proc.returncode, "".join(self.lines) + rest, time.monotonic() - start

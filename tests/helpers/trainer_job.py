@@ -1,0 +1,117 @@
+"""The trainer's shared job: every training run of a layout inside one launch (workers start once), read by
+the trainer's tests and by the peers' tests (torch HSDP and torch's hooks against plain DDP on the same runs)."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hybrid.app.checks import check_components, compose_train_config
+from hybrid.app.config import TrainConfig
+from hybrid.runtime.launch import launch_local
+
+from helpers import train_workers
+from helpers.once import once
+from helpers.readme_example import write_example
+
+__all__ = ["COMMS", "EXAMPLE", "PLANS", "ROOT", "job", "model_state", "settings"]
+
+ROOT = Path(tempfile.mkdtemp(prefix="hybrid-trainer-tests-"))
+
+
+BASE = ["comm.bucket_mb=0.01", "comm.timeout_s=120", "optim.lr=0.1", "optim.warmup_steps=5", "trainer.max_steps=20",
+        "trainer.log_every=10"]
+# Unless a run picks another model and data: ~6 buckets of this MLP.
+MLP_ON_SYNTHETIC = ["model.width=64", "model.depth=3", f"data.root={ROOT / 'data'}", "data.num_samples=2048",
+                    "data.batch_size=16"]
+EXAMPLE = ROOT / "example"  # the package and configs of docs/your-model.md's worked example
+
+COMMS = ["ddp", "flat", "hierarchical", "sharded"]
+# Hugging Face's GPT2LMHeadModel (tied embeddings) on the Python docs' text that ships with CPython, byte-level.
+GPT2_ON_TEXT = ["model=gpt2", "model.width=32", "model.depth=2", "model.heads=4", "data=text", "data.seq_len=32"]
+# docs/your-model.md's worked example: frozen layer, BatchNorm, shared block, tied head, own dataset and loss.
+MINE = ["model=mynet", "data=spirals", "loss=smoothed", "optim=adamw", "optim.lr=0.01", "data.batch_size=16"]
+# Gradients copied out of DDP's buckets here (the other path of settle_buckets and of zero_grad).
+HIERARCHICAL_BF16 = ["comm=hierarchical", "comm.inter_compression=bf16", "comm.grad_as_bucket_view=false"]
+SHARDED_FP16 = ["comm=sharded", "comm.inter_compression=fp16"]
+PLANS = {
+    "2x2": [(c, [f"comm={c}"]) for c in COMMS] + [
+        ("straight", ["trainer.max_steps=40"]),
+        ("resumed", ["trainer.max_steps=40", "trainer.stop_after=20"]),
+        ("resumed", ["trainer.max_steps=40", "trainer.resume=true"]),
+        ("accum", ["comm=hierarchical", "trainer.grad_accum_steps=2"]),
+        ("hierarchical+bf16", HIERARCHICAL_BF16),
+        ("hierarchical+bf16-resumed", [*HIERARCHICAL_BF16, "trainer.stop_after=10"]),
+        ("hierarchical+bf16-resumed", [*HIERARCHICAL_BF16, "trainer.resume=true"]),
+        ("sharded+fp16", SHARDED_FP16),
+        ("sharded+fp16-resumed", [*SHARDED_FP16, "trainer.stop_after=10"]),
+        ("sharded+fp16-resumed", [*SHARDED_FP16, "trainer.resume=true"]),
+        ("auto", ["comm=auto"]),
+        # Clipping of the averaged gradients, bf16 autocast, DDP's find_unused_parameters (the trainer's own keys).
+        ("clip-ddp", ["comm=ddp", "trainer.grad_clip_norm=0.05"]),
+        ("clip-hierarchical", ["comm=hierarchical", "trainer.grad_clip_norm=0.05"]),
+        ("bf16-ddp", ["comm=ddp", "trainer.precision=bf16"]),
+        ("bf16-sharded", ["comm=sharded", "comm.find_unused_parameters=true", "trainer.precision=bf16"]),
+        # timeline.json of steps 3..6, and of the default window with flat's buckets in flight at once.
+        ("timeline-hierarchical", ["comm=hierarchical", "trainer.timeline=true", "trainer.timeline_steps=[3,6]"]),
+        ("timeline-flat", ["comm=flat", "trainer.timeline=true"]),
+    ] + [(f"gpt2-{c}", [f"comm={c}", *GPT2_ON_TEXT]) for c in ("ddp", "hierarchical", "sharded")]
+      + [(f"mine-{c}", [f"comm={c}", *MINE]) for c in COMMS]
+      + [("mine-hierarchical-resumed", ["comm=hierarchical", *MINE, *extra])
+         for extra in (["trainer.stop_after=10"], ["trainer.resume=true"])]
+      + [("mine-sharded+bf16", [*MINE, "comm=sharded", "comm.inter_compression=bf16"]),
+         ("mine-auto", [*MINE, "comm=auto"])]
+      # The peers: torch FSDP2 as HSDP, and torch's own DDP hooks (the bf16 one refuses gloo).
+      + [("hsdp", ["comm=hsdp"]),
+         ("hsdp-resumed", ["comm=hsdp", "trainer.stop_after=10", "trainer.check_replicas_every=5"]),
+         ("hsdp-resumed", ["comm=hsdp", "trainer.resume=true", "trainer.check_replicas_every=5"]),
+         ("hsdp-accum", ["comm=hsdp", "trainer.grad_accum_steps=2"]),
+         ("hsdp-clip", ["comm=hsdp", "trainer.grad_clip_norm=0.05"]),
+         ("gpt2-hsdp", ["comm=hsdp", *GPT2_ON_TEXT]),
+         ("mine-hsdp", ["comm=hsdp", *MINE]),
+         ("ddp+fp16-hook", ["comm=ddp", "comm.torch_hook=fp16"]),
+         # One bucket: torch's PowerSGD hook aborts on gloo with more (hybrid.app.checks.check_powersgd_buckets).
+         ("ddp+powersgd-hook", ["comm=ddp", "comm.torch_hook=powersgd", "comm.powersgd_warmup_steps=5",
+                                "comm.bucket_mb=25"])],
+    "4x2": [(c, [f"comm={c}"]) for c in COMMS] + [
+        (f"{c}-resumed", [f"comm={c}", *resume])
+        for c in ("ddp", "sharded") for resume in (["trainer.stop_after=10"], ["trainer.resume=true"])
+    ],
+    # Three ranks: plain DDP divides by a world size that is not a power of two.
+    "3x1": [(c, [f"comm={c}"]) for c in ("ddp", "hierarchical")] + [
+        (f"{c}-resumed", [f"comm={c}", *resume])
+        for c in ("ddp", "hierarchical") for resume in (["trainer.stop_after=10"], ["trainer.resume=true"])
+    ],
+}
+
+
+def settings(layout: str, overrides: list[str]) -> TrainConfig:
+    """What ``python -m hybrid.train --config-dir <example>/myconf`` would run with these overrides."""
+    _example()
+    nnodes, nproc = map(int, layout.split("x"))
+    own_data = any(o.startswith(("model=", "data=")) for o in overrides)
+    return compose_train_config([*BASE, *([] if own_data else MLP_ON_SYNTHETIC), f"cluster.nnodes={nnodes}",
+                                 f"cluster.nproc_per_node={nproc}", *overrides], user_dirs=[EXAMPLE / "myconf"])
+
+
+def _example() -> None:
+    """The worked example's package and configs under EXAMPLE, once per process."""
+    if not EXAMPLE.is_dir():
+        write_example(EXAMPLE)
+        sys.path.insert(0, str(EXAMPLE))  # mypkg, for this process and the launched workers (they inherit it)
+
+
+@once
+def job(layout: str) -> tuple[Path, dict]:
+    _example()
+    plan = [(name, settings(layout, overrides)) for name, overrides in PLANS[layout]]
+    check_components(plan[0][1])  # generate the synthetic data once, before the ranks start
+    root = ROOT / layout
+    return root, launch_local(plan[0][1].layout, train_workers.runs, (str(root), plan), timeout_s=300)[0]
+
+
+def model_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
