@@ -1,4 +1,4 @@
-"""README's "When does hierarchy pay?": the cost model's speed-up of hierarchical and sharded over flat.
+"""docs/sweeps-and-report.md's "When does hierarchy pay?": the cost model's speed-up of hierarchical and sharded over flat.
 
 Panels 1-3: 16 nodes, 100 MB of gradients, NVLink-class intra level (3600 Gbit/s, 2 us), NICs at 10, 100 and
 400 Gbit/s (5 us per step), against NICs per node, for 4 and 8 workers per node. Flat is NCCL's ring: its
