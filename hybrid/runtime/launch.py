@@ -228,9 +228,10 @@ def _describe(failures: list[tuple[int, str]]) -> str:
 
 
 def _wait(agents: list[subprocess.Popen], layout: Layout, timeout_s: float, min_nnodes: int | None = None,
-          grace_s: float = 10.0) -> None:
-    """Until every agent exits. When one fails, the others get ``grace_s`` to fail on their own
-    (so their reports are read too), then the launcher stops them: they would only time out. Elastic
+          grace_s: float = 10.0, failed_grace_s: float = 5.0) -> None:
+    """Until every agent exits. When one fails, the others get ``failed_grace_s`` to fail on their own (so
+    their reports are read too; an agent reports within a few seconds of its workers' failure), then the
+    launcher stops them: they would only time out, or hang on a rendezvous store they cannot reach. Elastic
     (``min_nnodes``): while at least that many agents have not failed, the job goes on without the others;
     once one has finished, the job has (the last membership's agents finish together), and an agent still
     running after ``grace_s`` is a lost node's (cut off from the rendezvous, say), stopped by the caller."""
@@ -244,7 +245,7 @@ def _wait(agents: list[subprocess.Popen], layout: Layout, timeout_s: float, min_
             _wait_each(agents, time.monotonic() + grace_s)
             return
         if any(c not in (None, 0) for c in codes) and sum(c in (None, 0) for c in codes) < (min_nnodes or len(agents)):
-            _wait_each(agents, time.monotonic() + grace_s)
+            _wait_each(agents, time.monotonic() + failed_grace_s)
             return  # the failed nodes' result files say why
         if time.monotonic() > deadline:
             raise LaunchError(f"layout {layout} did not finish within timeout_s={timeout_s:g}; stopped all workers")
@@ -266,8 +267,9 @@ def _wait_each(agents: list[subprocess.Popen], deadline: float, floor_s: float =
             pass
 
 
-def _stop(agents: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    """SIGTERM each agent's process group (the agent stops its workers), then SIGKILL what is left."""
+def _stop(agents: list[subprocess.Popen], grace_s: float = 3.0) -> None:
+    """SIGTERM each agent's process group (the agent stops its workers), then SIGKILL what is left: an agent
+    blocked on a store it cannot reach (its node's link is down) does not get to its signal handler."""
     for agent in agents:
         if agent.poll() is None:
             _signal_group(agent, signal.SIGTERM)
