@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_agent", "run_node"]
+__all__ = ["name_process", "run_agent", "run_forked_agent", "run_node"]
 
 
 def _write_result(job_dir: Path, node: int, status: str, payload: Any) -> None:
@@ -39,12 +39,24 @@ def _write_result(job_dir: Path, node: int, status: str, payload: Any) -> None:
     os.replace(tmp, final)
 
 
+def name_process(name: str) -> None:
+    """Name this process (``ps -o comm``, /proc/PID/comm; at most 15 characters): agents and workers forked
+    from another process share its command line, so the name is what tells them apart."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass  # not Linux: the command line will have to do
+
+
 def _rank_and_result(entrypoint: Any, *args: Any) -> tuple[int, Any]:
     # A forked worker inherits the agent's signal handlers (torch's agent turns SIGTERM, SIGINT, SIGHUP and
     # SIGQUIT into exceptions so that it can stop its workers): give it what a fresh interpreter has.
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    name_process(f"hybrid-rank-{os.environ['RANK']}")
     return int(os.environ["RANK"]), entrypoint(*args)
 
 
@@ -124,7 +136,23 @@ def run_node(
     return dict(per_local_rank.values())
 
 
+def run_forked_agent(job_dir: str, node: int, env: dict[str, str]) -> None:
+    """The agent of a local node, forked from multiprocessing's fork server (see
+    :func:`hybrid.runtime.launch.launch_local`): its own session, the node's environment, and torch's threads
+    as ``OMP_NUM_THREADS`` says (torch read the server's environment when the server imported it)."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    threads = int(env.get("OMP_NUM_THREADS", "0") or 0)
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)  # sets the count only: no thread starts before the workers fork
+    sys.exit(run_agent(Path(job_dir), node))
+
+
 def run_agent(job_dir: Path, node: int) -> int:
+    name_process(f"hybrid-agent-{node}")
     meta = json.loads((job_dir / "meta.json").read_text())
     # The entry point is pickled by reference: make its module importable first.
     sys.path[:0] = [p for p in meta["sys_path"] if p not in sys.path]

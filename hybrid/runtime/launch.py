@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,15 +148,69 @@ def launch_local(
             node_env = dict(base_env)
             if "GLOO_SOCKET_IFNAME" not in (env or {}):  # an explicit env wins; the node's NIC otherwise
                 node_env["GLOO_SOCKET_IFNAME"] = node.ifname
-            agents.append(subprocess.Popen(
-                [*node.prefix, sys.executable, "-m", "hybrid.runtime.agent", str(job_dir), str(i)],
-                env=node_env, start_new_session=True,  # its own process group: stoppable as a whole
-            ))
+            agents.append(_start_agent(job_dir, i, node, node_env, entrypoint))
         _wait(agents, layout, timeout_s, minimum)
         return _collect(job_dir, agents, minimum)
     finally:
         _stop(agents)
         shutil.rmtree(job_dir, ignore_errors=True)
+
+
+# What the agents' fork server imports once, so that no agent pays it: torch, its elastic agent, our agent.
+_AGENT_PRELOAD = ["torch", "torch.distributed.launcher.api", "torch.distributed.elastic.multiprocessing.errors",
+                  "hybrid.runtime.agent"]
+
+
+class _ForkedAgent:
+    """An agent process forked from multiprocessing's fork server, seen through ``subprocess.Popen``'s
+    ``pid``, ``poll``, ``wait`` and ``returncode``."""
+
+    def __init__(self, process: Any) -> None:
+        self._process = process
+        self.pid = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired("hybrid agent", timeout or 0)
+        return self._process.exitcode
+
+
+def _start_agent(job_dir: Path, node: int, network: NodeNetwork, env: dict[str, str],
+                 entrypoint: Callable[..., Any]) -> Any:
+    """One node's agent, in its own session (stoppable as a whole with its workers).
+
+    A node on this machine's loopback is forked from multiprocessing's fork server, which has torch, the
+    elastic agent and the entry point's module imported once for the whole launch (each agent would pay
+    about a second of CPU for them, every launch); the server itself is a fresh interpreter that has run no
+    torch op, so forking it is safe. A node in a network namespace is entered with its prefix
+    (``ip netns exec ...``) and started as ``python -m hybrid.runtime.agent``."""
+    if network.prefix:
+        return subprocess.Popen([*network.prefix, sys.executable, "-m", "hybrid.runtime.agent", str(job_dir), str(node)],
+                                env=env, start_new_session=True)
+    import multiprocessing
+
+    from hybrid.runtime.agent import run_forked_agent
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([*_AGENT_PRELOAD, getattr(entrypoint, "__module__", "hybrid.runtime.agent")])
+    process = context.Process(target=run_forked_agent, args=(str(job_dir), node, env), name=f"hybrid-agent-{node}")
+    # multiprocessing would run the caller's main script again in the agent (a script that launches at its top
+    # level would launch again there); the agent needs nothing of it: the entry point comes from the job file.
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        process.start()
+    finally:
+        sys.modules["__main__"] = main
+    return _ForkedAgent(process)
 
 
 def _write_job(layout: Layout, nodes: Sequence[NodeNetwork], entrypoint: Callable[..., Any], args: Sequence[Any],
@@ -283,5 +338,10 @@ def _stop(agents: list[subprocess.Popen], grace_s: float = 3.0) -> None:
 def _signal_group(agent: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(agent.pid, sig)
-    except (ProcessLookupError, PermissionError):
+    except ProcessLookupError:  # a forked agent signalled before its setsid: the process itself
+        try:
+            os.kill(agent.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    except PermissionError:
         pass

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["Job", "agent_of_node", "agents", "all_gone", "descendants", "left_after", "processes_with_marker",
-           "running", "workers"]
+__all__ = ["Job", "agent_of_node", "agents", "all_gone", "descendants", "hybrid_processes", "left_after",
+           "processes_with_marker", "running", "workers"]
 
 
 def processes_with_marker(marker: str) -> list[int]:
@@ -85,19 +85,31 @@ def _parent(pid: int) -> int | None:
         return None
 
 
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def agents(root: int) -> list[int]:
-    """The elastic agents under ``root`` (``python -m hybrid.runtime.agent JOB_DIR NODE``); their forked
-    workers carry the same command line, so an agent is one whose parent is not an agent."""
-    under = set(descendants(root))
-    named = {pid for pid in under if b"hybrid.runtime.agent" in _argv(pid)}
-    return sorted(pid for pid in named if _parent(pid) not in named)
+    """The elastic agents under ``root``: hybrid names them ``hybrid-agent-NODE`` (a forked agent has its fork
+    server's command line, and its forked workers, named ``hybrid-rank-R`` once they run, its own)."""
+    return sorted(pid for pid in descendants(root) if _name(pid).startswith("hybrid-agent-")
+                  and not _name(_parent(pid) or 0).startswith("hybrid-agent-"))
 
 
 def agent_of_node(root: int, node: int) -> int:
     """The pid of the elastic agent of ``node`` under ``root``."""
-    found = [pid for pid in agents(root) if _argv(pid)[-2:] == [str(node).encode(), b""]]
+    found = [pid for pid in agents(root) if _name(pid) == f"hybrid-agent-{node}"]
     assert len(found) == 1, found
     return found[0]
+
+
+def hybrid_processes() -> list[int]:
+    """Every agent and worker of any hybrid job on this machine, by name (orphans included)."""
+    return sorted(int(p.name) for p in Path("/proc").iterdir()
+                  if p.name.isdigit() and _name(int(p.name)).startswith(("hybrid-agent-", "hybrid-rank-")))
 
 
 def workers(root: int) -> list[int]:
