@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from hybrid.app.checks import check_run_dir, check_torchrun_layout, precheck, prepare, settings_of, torchrun_restart, under_torchrun
 from hybrid.app.config import CONF_PACKAGE, ClusterConfig, TrainConfig
 from hybrid.app.worker import run_worker
-from hybrid.runtime.launch import launch_local
+from hybrid.runtime.launch import launch_local, start_agent_server
 from hybrid.runtime.slurm import SlurmNode, in_submitit_task
 from hybrid.runtime.testbed import LinkShape, Testbed
 
@@ -70,6 +70,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                           timeout_s=settings.cluster.launch_timeout_s, **_elastic(settings.cluster)).get(0)
     else:
         check_run_dir(run_dir, settings.trainer.resume)
+        if not settings.cluster.testbed.enabled:  # the agents' fork server imports torch during the checks
+            start_agent_server(run_worker)
         prepare(settings)
         result = launch_job(settings, run_worker, (settings, str(run_dir)))[0]
     if result is not None:

@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 from hybrid.core.topology import Layout
 
 __all__ = ["LOOPBACK", "PEER_GRACE_S", "LaunchError", "NodeNetwork", "free_port", "is_consequence", "launch_local",
-           "local_agent_env", "worker_threads"]
+           "local_agent_env", "start_agent_server", "worker_threads"]
 
 _LOCALHOST = "127.0.0.1"
 _RDZV_PORT_IN_NAMESPACE = 29500  # a fresh namespace has every port free
@@ -183,6 +183,25 @@ class _ForkedAgent:
         return self._process.exitcode
 
 
+def start_agent_server(entrypoint: Callable[..., Any]) -> Any:
+    """Start the fork server that local agents are forked from (see :func:`_start_agent`), with torch and
+    ``entrypoint``'s module imported; return its multiprocessing context. Calling it early lets that import
+    run while the caller does other work (the trainer's checks); the first call's entry point is the one
+    preloaded, and later calls reuse the server."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([*_AGENT_PRELOAD, getattr(entrypoint, "__module__", "hybrid.runtime.agent")])
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")  # nothing of the caller's script is needed there
+    try:
+        forkserver.ensure_running()
+    finally:
+        sys.modules["__main__"] = main
+    return context
+
+
 def _start_agent(job_dir: Path, node: int, network: NodeNetwork, env: dict[str, str],
                  entrypoint: Callable[..., Any]) -> Any:
     """One node's agent, in its own session (stoppable as a whole with its workers).
@@ -195,12 +214,9 @@ def _start_agent(job_dir: Path, node: int, network: NodeNetwork, env: dict[str, 
     if network.prefix:
         return subprocess.Popen([*network.prefix, sys.executable, "-m", "hybrid.runtime.agent", str(job_dir), str(node)],
                                 env=env, start_new_session=True)
-    import multiprocessing
-
     from hybrid.runtime.agent import run_forked_agent
 
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([*_AGENT_PRELOAD, getattr(entrypoint, "__module__", "hybrid.runtime.agent")])
+    context = start_agent_server(entrypoint)
     process = context.Process(target=run_forked_agent, args=(str(job_dir), node, env), name=f"hybrid-agent-{node}")
     # multiprocessing would run the caller's main script again in the agent (a script that launches at its top
     # level would launch again there); the agent needs nothing of it: the entry point comes from the job file.
