@@ -35,9 +35,10 @@ import tempfile
 import time
 import types
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from hybrid.core.topology import Layout
 
@@ -183,6 +184,19 @@ class _ForkedAgent:
         return self._process.exitcode
 
 
+@contextmanager
+def _without_main() -> Iterator[None]:
+    """Hide the caller's ``__main__`` while multiprocessing starts a process: it would run the caller's main
+    script again there (a script that launches at its top level would launch again), and neither the fork
+    server nor an agent needs anything of it (the entry point comes from the job file)."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 def start_agent_server(entrypoint: Callable[..., Any]) -> Any:
     """Start the fork server that local agents are forked from (see :func:`_start_agent`), with torch and
     ``entrypoint``'s module imported; return its multiprocessing context. Calling it early lets that import
@@ -193,12 +207,8 @@ def start_agent_server(entrypoint: Callable[..., Any]) -> Any:
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([*_AGENT_PRELOAD, getattr(entrypoint, "__module__", "hybrid.runtime.agent")])
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")  # nothing of the caller's script is needed there
-    try:
+    with _without_main():
         forkserver.ensure_running()
-    finally:
-        sys.modules["__main__"] = main
     return context
 
 
@@ -218,14 +228,8 @@ def _start_agent(job_dir: Path, node: int, network: NodeNetwork, env: dict[str, 
 
     context = start_agent_server(entrypoint)
     process = context.Process(target=run_forked_agent, args=(str(job_dir), node, env), name=f"hybrid-agent-{node}")
-    # multiprocessing would run the caller's main script again in the agent (a script that launches at its top
-    # level would launch again there); the agent needs nothing of it: the entry point comes from the job file.
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
+    with _without_main():
         process.start()
-    finally:
-        sys.modules["__main__"] = main
     return _ForkedAgent(process)
 
 
