@@ -18,8 +18,9 @@ manifests and resume of :mod:`hybrid.app.state.checkpoint` hold for it too.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from hybrid.app.components.data import BatchStream
-from hybrid.app.components.losses import LossFn, batch_loss, move_to
-from hybrid.app.replicas.rank import SHARDED_STATE_KIND, autocast_for
+from hybrid.app.components.losses import LossFn
+from hybrid.app.replicas.rank import SHARDED_STATE_KIND, accumulate
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
 
@@ -135,19 +136,14 @@ class HsdpReplica:
         self.recorder = recorder if recorder is not None else StepRecorder(())
 
     def forward_backward(self, accum: int) -> torch.Tensor:
-        total_loss = torch.zeros((), device=self.device)
-        rec = self.recorder
-        for micro in range(accum):
-            with rec.span("data"):
-                x, y = next(self.stream)
-                x, y = move_to(x, self.device, non_blocking=True), move_to(y, self.device, non_blocking=True)
-            # FSDP2's no_sync: only the last micro-step reduces gradients.
-            self.module.set_requires_gradient_sync(micro == accum - 1)
-            with rec.span("forward"), autocast_for(self.device, self.precision):
-                loss = batch_loss(self.module, x, y, self.loss_fn) / accum
-            rec.backward(loss)
-            total_loss += loss.detach()
-        return total_loss
+        return accumulate(self.module, accum, self.stream, self.device, self.loss_fn, self.precision, self.recorder,
+                          self._gradient_sync)
+
+    @contextmanager
+    def _gradient_sync(self, last: bool) -> Iterator[None]:
+        """FSDP2's no_sync: only the last micro-step reduces gradients."""
+        self.module.set_requires_gradient_sync(last)
+        yield
 
     def end_step(self) -> None:
         pass

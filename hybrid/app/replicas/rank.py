@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from contextlib import nullcontext
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,8 +17,8 @@ from hybrid.app.components.data import BatchStream
 from hybrid.app.components.losses import LossFn, batch_loss, move_to
 from hybrid.core.timeline import StepRecorder
 
-__all__ = ["SHARDED_STATE_KIND", "PlainState", "RankReplica", "ReplicaDivergence", "Replicas", "StateAccess", "autocast_for",
-           "check_replicas", "grads_finite", "local_part", "param_checksum"]
+__all__ = ["SHARDED_STATE_KIND", "PlainState", "RankReplica", "ReplicaDivergence", "Replicas", "StateAccess", "accumulate",
+           "autocast_for", "check_replicas", "grads_finite", "local_part", "param_checksum"]
 
 
 def autocast_for(device: torch.device, precision: str) -> Any:
@@ -27,6 +27,24 @@ def autocast_for(device: torch.device, precision: str) -> Any:
     if precision == "fp32":
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def accumulate(model: nn.Module, accum: int, stream: BatchStream, device: torch.device, loss_fn: LossFn,
+               precision: str, rec: StepRecorder, sync: Callable[[bool], ContextManager[Any]]) -> torch.Tensor:
+    """One step's ``accum`` micro-steps on this rank: each batch to the device, forward and loss under
+    autocast, backward inside ``sync(last micro-step)`` (the model's own way to hold gradients back until
+    the last one); returns the step's loss. Spans: data, forward, backward."""
+    total_loss = torch.zeros((), device=device)
+    for micro in range(accum):
+        with rec.span("data"):
+            x, y = next(stream)
+            x, y = move_to(x, device, non_blocking=True), move_to(y, device, non_blocking=True)
+        with sync(micro == accum - 1):
+            with rec.span("forward"), autocast_for(device, precision):
+                loss = batch_loss(model, x, y, loss_fn) / accum
+            rec.backward(loss)
+        total_loss += loss.detach()
+    return total_loss
 
 
 class Replicas(Protocol):
@@ -107,19 +125,9 @@ class RankReplica:
         return self.ddp.module
 
     def forward_backward(self, accum: int) -> torch.Tensor:
-        total_loss = torch.zeros((), device=self.device)
-        rec = self.recorder
-        for micro in range(accum):
-            with rec.span("data"):
-                x, y = next(self.stream)
-                x, y = move_to(x, self.device, non_blocking=True), move_to(y, self.device, non_blocking=True)
-            # Only the last micro-step synchronises gradients.
-            with self.ddp.no_sync() if micro < accum - 1 else nullcontext():
-                with rec.span("forward"), autocast_for(self.device, self.precision):
-                    loss = batch_loss(self.ddp, x, y, self.loss_fn) / accum
-                rec.backward(loss)
-            total_loss += loss.detach()
-        return total_loss
+        # Only the last micro-step synchronises gradients.
+        return accumulate(self.ddp, accum, self.stream, self.device, self.loss_fn, self.precision, self.recorder,
+                          lambda last: nullcontext() if last else self.ddp.no_sync())
 
     def end_step(self) -> None:
         pass  # every rank stepped its own replica with the same averaged gradients
