@@ -9,5 +9,23 @@ Four layers, imports only downward (tools -> app -> runtime -> core; tests/test_
 - :mod:`hybrid.app`: the Hydra trainer: typed config, start-up checks, set-up, the training loop.
 - :mod:`hybrid.tools`: benchmarks, the sweep report, the cost model's command line.
 
+- :mod:`hybrid.integrations`: the communicator inside Lightning and the Hugging Face Trainer.
+
 ``python -m hybrid.train|bench|report|costmodel`` are thin entry points onto these.
+
+For any DDP program, whoever launched it: ``hybrid.attach(ddp_model, algorithm="hierarchical")``
+(:func:`hybrid.core.attach.attach`; ``hybrid.connect`` builds the communicator before the model exists).
 """
+
+from typing import Any
+
+__all__ = ["attach", "connect"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: ``import hybrid`` (every ``python -m hybrid.*``) stays free of torch.
+    if name in __all__:
+        from hybrid.core import attach as _attach
+
+        return getattr(_attach, name)
+    raise AttributeError(f"module 'hybrid' has no attribute {name!r}")

@@ -1,6 +1,7 @@
 """The package's layers import only downward, with no cycle, counting imports made inside functions too.
 
-tools -> app -> runtime -> core. The core imports neither Hydra nor TensorBoard (any training loop can use
+tools -> app -> integrations -> runtime -> core (integrations: hybrid inside Lightning and the Hugging Face
+Trainer; nothing of ours imports it). The core imports neither Hydra nor TensorBoard (any training loop can use
 it), and nothing imports the ``python -m hybrid.*`` entry points. Read from the source with ``ast``, so an
 import hidden in a function (which Python resolves only when it runs) counts like one at the top.
 """
@@ -15,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hybrid"
-LAYERS = ("core", "runtime", "app", "tools")  # lowest first
+LAYERS = ("core", "runtime", "integrations", "app", "tools")  # lowest first
 ENTRY_POINTS = {"hybrid.train", "hybrid.bench", "hybrid.report", "hybrid.costmodel"}
 CORE_MUST_NOT_IMPORT = ("hydra", "omegaconf", "tensorboard", "torch.utils.tensorboard")
 # Inside the app, lowest first: the two base modules, then the rooms (sub-packages). Each imports only from
@@ -112,6 +113,13 @@ def test_app_rooms_import_only_from_rooms_before_them(module):
     room = app_room_of(module)
     upward = sorted(dep for dep in GRAPH[module] if app_room_of(dep) is not None and app_room_of(dep) > room)
     assert upward == [], f"{module} imports from a room after its own: {upward}"
+
+
+def test_nothing_of_ours_imports_the_integrations():
+    """They import Lightning or transformers on import: the trainer and tools must not pay for them."""
+    importers = sorted(m for m, deps in GRAPH.items() if layer_of(m) != "integrations"
+                       and any(layer_of(d) == "integrations" for d in deps))
+    assert importers == []
 
 
 def test_the_core_imports_neither_hydra_nor_tensorboard():

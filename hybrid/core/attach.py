@@ -1,0 +1,225 @@
+"""``hybrid.attach``: the two-level communicator inside any DDP program, whoever launched it.
+
+A program that already trains with torch DDP (its own torchrun script, Lightning's ``DDPStrategy``, the
+Hugging Face Trainer, ``accelerate.prepare``) keeps everything it has and adds one call after wrapping
+its model::
+
+    ddp = DistributedDataParallel(model)
+    with hybrid.attach(ddp, algorithm="hierarchical") as comm:   # or flat, sharded, auto
+        train(ddp)
+    print(comm.counters.snapshot())
+
+It is the very hook hybrid's own trainer registers (:func:`hybrid.core.comm.register_comm_hook`), over
+groups built from the live default process group. What it adds is what a program started by someone
+else needs: the nodes found from whatever the launcher said (:mod:`hybrid.core.nodes`), one exchange
+that also makes sure every rank asked for the same thing, and refusals in one line, on every rank
+alike, before any gradient moves.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from hybrid.core.comm import (
+    BACKENDS,
+    CHOOSABLE,
+    INTER_COMPRESSIONS,
+    CommGroups,
+    CommHookState,
+    Communicator,
+    PhaseCounters,
+    group_kinds_for,
+    make_communicator,
+    register_comm_hook,
+)
+from hybrid.core.comm.base import DEFAULT_CHUNK_BYTES
+from hybrid.core.nodes import RankReport, local_report, topology_from_reports
+from hybrid.core.topology import Topology
+
+__all__ = ["Attached", "CommOptions", "attach", "connect"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CommOptions:
+    """What every rank must agree on: the algorithm and how it talks."""
+
+    algorithm: str = "hierarchical"
+    intra_backend: str = "auto"
+    inter_backend: str = "auto"
+    timeout_s: float = 300.0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    inter_compression: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in CHOOSABLE:
+            raise ValueError(f"algorithm={self.algorithm!r} is not one of {', '.join(CHOOSABLE)}")
+        for level in ("intra", "inter"):
+            backend = getattr(self, f"{level}_backend")
+            if backend not in BACKENDS:
+                raise ValueError(f"{level}_backend={backend!r} is not one of {', '.join(BACKENDS)}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0 seconds")
+        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes={self.chunk_bytes!r} must be a positive number of bytes")
+        if self.inter_compression not in INTER_COMPRESSIONS:
+            raise ValueError(f"inter_compression={self.inter_compression!r} is not one of {', '.join(INTER_COMPRESSIONS)}")
+        if self.inter_compression != "none" and self.algorithm == "flat":
+            raise ValueError(f"inter_compression={self.inter_compression!r} needs a two-level algorithm "
+                             "(hierarchical, sharded, auto): flat has no inter-node hop of its own")
+
+
+class Attached:
+    """A communicator over this job's ranks and the DDP models that average their gradients with it.
+
+    ``communicator`` (its ``name`` says which algorithm runs), ``counters`` (seconds, bytes and calls per
+    phase: ``counters.snapshot(reset=True)``), ``topology`` (who is on which node) and ``node_source``
+    (which launcher variable said so). Use as a context manager, or call :meth:`close` when training ends.
+    """
+
+    def __init__(self, communicator: Communicator, node_source: str) -> None:
+        self.communicator = communicator
+        self.node_source = node_source
+        self.hooks: list[CommHookState] = []
+        self._closed = False
+
+    @property
+    def counters(self) -> PhaseCounters:
+        return self.communicator.counters
+
+    @property
+    def topology(self) -> Topology:
+        return self.communicator.topology
+
+    def attach(self, model: DistributedDataParallel) -> CommHookState:
+        """Let ``model`` (one more DDP model: a GAN's other half, a teacher) average with this communicator too."""
+        if self._closed:
+            raise RuntimeError("this communicator is closed: call hybrid.attach again to train on")
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"hybrid.attach needs a torch DistributedDataParallel model (what DDP(model), Lightning's "
+                            f"DDPStrategy, the Trainer and accelerate.prepare make), got {type(model).__name__}")
+        if getattr(model, "_comm_hooks", None) or _has_builtin_hook(model):
+            raise ValueError("this DDP model already has a comm hook (register_comm_hook, a strategy's ddp_comm_hook "
+                             "or accelerate's comm_hook): DDP takes one; drop the other or attach a fresh model")
+        state = register_comm_hook(model, self.communicator)
+        self.hooks.append(state)
+        return state
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Serve what is queued (waiting at most ``timeout_s``), stop the thread, destroy the groups. A model
+        still hooked refuses its next backward; the default process group stays the program's."""
+        if self._closed:
+            return
+        self._closed = True
+        for state in self.hooks:
+            state.close(timeout_s)
+        if dist.is_initialized():
+            self.communicator.groups.destroy()
+
+    def __enter__(self) -> "Attached":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Attached({self.communicator.name}, {self.topology.describe()}, nodes from {self.node_source}, "
+                f"{len(self.hooks)} model(s))")
+
+
+def _has_builtin_hook(model: DistributedDataParallel) -> bool:
+    """Whether torch's built-in hook (register_builtin_comm_hook, accelerate's comm_hook) is registered."""
+    try:
+        return bool(model._get_ddp_logging_data().get("comm_hook"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def connect(algorithm: str = "hierarchical", *, node_rank: int | None = None, counters: PhaseCounters | None = None,
+            **options: Any) -> Attached:
+    """Build a communicator over the default process group's ranks, with no model yet (see :func:`attach`).
+
+    Collective: every rank calls it at the same point. ``node_rank`` names this rank's node where the
+    program knows it better than the environment (Lightning's ``trainer.node_rank``).
+    """
+    unknown = sorted(set(options) - set(CommOptions.__dataclass_fields__))
+    if unknown:
+        allowed = ", ".join(f for f in CommOptions.__dataclass_fields__ if f != "algorithm")
+        raise TypeError(f"unknown comm option(s) {', '.join(unknown)}: hybrid.attach takes {allowed}, node_rank, counters")
+    opts = CommOptions(algorithm, **options)
+    if not dist.is_initialized():
+        raise RuntimeError("hybrid.attach needs the default process group: call torch.distributed.init_process_group "
+                           "first (torchrun scripts do; Lightning, the Trainer and accelerate do it for you)")
+    reports = _exchange(local_report(dist.get_rank(), node_rank=node_rank), opts)
+    topology, source = topology_from_reports(dist.get_rank(), reports)
+    log.info("hybrid: %s, nodes from %s", topology.describe(), source)
+    groups = CommGroups.build(topology, opts.intra_backend, opts.inter_backend, opts.timeout_s,
+                              kinds=group_kinds_for(opts.algorithm, topology))
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in (groups.intra_backend, groups.inter_backend) \
+        else torch.device("cpu")
+    communicator = make_communicator(opts.algorithm, groups, counters or PhaseCounters(), opts.chunk_bytes,
+                                     opts.inter_compression, device=device)
+    return Attached(communicator, source)
+
+
+def attach(models: DistributedDataParallel | Iterable[DistributedDataParallel], algorithm: str = "hierarchical", *,
+           node_rank: int | None = None, counters: PhaseCounters | None = None, **options: Any) -> Attached:
+    """Average the gradients of ``models`` (one DDP model, or several that share one communicator) with
+    hybrid's ``algorithm``: ``hierarchical`` (reduce to each node's leader, all-reduce among leaders,
+    broadcast), ``sharded`` (reduce-scatter, shards across nodes, all-gather), ``flat`` or ``auto``.
+
+    Options: ``intra_backend``/``inter_backend`` (auto, gloo, nccl), ``timeout_s`` (every collective's
+    limit), ``chunk_bytes`` (pipeline pieces), ``inter_compression`` (none, bf16, fp16: the slow hop
+    only). Collective: every rank calls it with the same options after wrapping its model(s).
+    """
+    candidates = [models] if isinstance(models, torch.nn.Module) else list(models)
+    for model in candidates:
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"hybrid.attach needs a torch DistributedDataParallel model (what DDP(model), Lightning's "
+                            f"DDPStrategy, the Trainer and accelerate.prepare make), got {type(model).__name__}")
+        if dist.is_initialized():
+            ranks = dist.get_process_group_ranks(model.process_group)
+            if ranks != list(range(dist.get_world_size())):
+                raise ValueError(f"the DDP model averages over the process group of ranks {ranks}, not the default "
+                                 f"world of {dist.get_world_size()}: hybrid.attach serves DDP over the default group")
+    handle = connect(algorithm, node_rank=node_rank, counters=counters, **options)
+    try:
+        for model in candidates:
+            handle.attach(model)
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
+def _exchange(report: RankReport, opts: CommOptions) -> list[RankReport]:
+    """Every rank's report, once every rank is seen to have asked for the same options (else the same error
+    on every rank).
+
+    Over a gloo group of its own with the options' timeout, so a rank that never comes fails the others
+    within ``timeout_s`` (the default group's may be 30 minutes), and on any device.
+    """
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=opts.timeout_s))
+    try:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (report, asdict(opts)), group=group)
+    finally:
+        dist.destroy_process_group(group)
+    mine = asdict(opts)
+    for name in mine:
+        values = [theirs[name] for _, theirs in gathered]
+        if len(set(values)) > 1:
+            by_value: dict[Any, list[int]] = {}
+            for rank, value in enumerate(values):
+                by_value.setdefault(value, []).append(rank)
+            said = "; ".join(f"{value!r} on ranks {ranks}" for value, ranks in by_value.items())
+            raise ValueError(f"ranks disagree on {name}: {said}; every rank must attach with the same options")
+    return [r for r, _ in gathered]
