@@ -10,9 +10,13 @@ shown failing them here (Adam, or clipping to norm 1, would divide that scale ou
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
+from helpers import background
 from helpers.once import once
 from helpers.torchrun import two_agents
 
@@ -20,19 +24,26 @@ JOB = __import__("helpers.integrations_job", fromlist=["x"]).__file__
 PARITY = {"rtol": 1e-5, "atol": 1e-6}
 
 
-@once
-def job(tmp_root: str) -> list[dict]:
-    from pathlib import Path
+def run_job() -> list[dict]:
+    """Every rank's results; the job runs in the background from the session's start (helpers.background)."""
+    with tempfile.TemporaryDirectory(prefix="hybrid-integrations-") as tmp:
+        out = Path(tmp)
+        agents = two_agents([JOB, str(out)], cwd=out)
+        assert [code for code, _ in agents] == [0, 0], "\n".join(output[-4000:] for _, output in agents)
+        return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(4)]
 
-    out = Path(tmp_root)
-    agents = two_agents([JOB, str(out)], cwd=out)
-    assert [code for code, _ in agents] == [0, 0], "\n".join(output[-4000:] for _, output in agents)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(4)]
+
+background.declare("integrations", lambda test_id: "test_integrations.py::" in test_id, run_job)
+
+
+@once
+def job() -> list[dict]:
+    return background.result("integrations")
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    return job(str(tmp_path_factory.mktemp("integrations")))
+def ranks() -> list[dict]:
+    return job()
 
 
 def result(ranks, case: str, rank: int = 0) -> dict:
@@ -77,6 +88,15 @@ def test_hierarchical_crosses_nodes_on_leaders_only_once_per_bucket_per_optimize
         assert r["buckets_per_step"] >= 2, r  # a model of several buckets
         assert r["calls"]["intra_reduce"] == r["calls"]["intra_broadcast"] == r["buckets"], r
         assert r["calls"]["flat_allreduce"] == 0
+
+
+@pytest.mark.multiprocess
+def test_two_ddp_models_in_one_backward_share_one_attached_communicator(ranks):
+    plain = result(ranks, "attach/two-models-plain")["weights"]
+    hybrid = [result(ranks, "attach/two-models", rank) for rank in range(4)]
+    assert [r["hooked"] for r in hybrid] == [2] * 4
+    torch.testing.assert_close(hybrid[0]["weights"], plain, **PARITY)
+    assert all(torch.equal(r["weights"], hybrid[0]["weights"]) for r in hybrid[1:])
 
 
 @pytest.mark.multiprocess

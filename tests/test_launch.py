@@ -35,9 +35,9 @@ def test_worker_exception_is_surfaced_with_its_message():
 @pytest.mark.multiprocess
 def test_hung_job_is_stopped_at_the_deadline_and_leaves_no_process():
     marker = uuid.uuid4().hex
-    with pytest.raises(LaunchError, match="did not finish within timeout_s=10"):
+    with pytest.raises(LaunchError, match="did not finish within timeout_s=6"):
         launch_local(
-            Layout.parse("2x1"), launch_targets.block_forever, timeout_s=10,
+            Layout.parse("2x1"), launch_targets.block_forever, timeout_s=6,
             env={"HYBRID_TEST_MARKER": marker},
         )
     # Started with the marker (an agent in a namespace), or named as hybrid names its agents and workers

@@ -158,7 +158,7 @@ def test_a_killed_worker_stops_the_whole_job_with_its_rank_named(tmp_path):
 @pytest.mark.testbed
 @pytest.mark.skipif(TESTBED is not None, reason=f"testbed unavailable: {TESTBED}")
 def test_a_node_whose_link_goes_down_fails_the_job_within_the_timeout(tmp_path):
-    timeout_s = 15  # also start-up's limit (store, groups): leave a loaded machine room
+    timeout_s = 10  # also start-up's limit (store, groups): leave a loaded machine room (the testbed link-down run takes 8)
     job = Job(tmp_path, *SLOW, "trainer.max_steps=100000", f"comm.timeout_s={timeout_s}", "comm=hierarchical",
               "cluster.nnodes=2", "cluster.nproc_per_node=1", "cluster.testbed.enabled=true",
               "cluster.testbed.link_mbit=1000")

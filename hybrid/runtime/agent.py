@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hybrid.runtime.cpu_limit import join_deferred
+
 __all__ = ["name_process", "run_agent", "run_forked_agent", "run_node"]
 
 
@@ -160,6 +162,7 @@ def run_agent(job_dir: Path, node: int) -> int:
 
     try:
         entrypoint, args = pickle.loads((job_dir / "job.pkl").read_bytes())
+        join_deferred()  # a node with less CPU: its imports are done; every worker starts inside the limit
         by_rank = run_node(
             entrypoint, args, nnodes=meta["nnodes"], nproc_per_node=meta["node_sizes"][node], node_rank=node,
             run_id=meta["run_id"], rdzv_endpoint=meta["rdzv_endpoint"], timeout_s=meta["timeout_s"],

@@ -7,9 +7,16 @@ a cgroup of the cpu controller with ``quota = cpus x period`` (cgroup v1's
 ``cpu.cfs_quota_us``, or v2's ``cpu.max``), so the kernel lets it run only
 that share of each 10 ms period, whatever its threads do.
 
-A process joins its cgroup before anything else runs in it (:func:`join_prefix`
-is a command prefix: ``sh`` writes its own pid to ``cgroup.procs`` and then
-``exec``s the node's command), so no child escapes the limit. Names carry the
+A node's agent joins its cgroup once its interpreter has started and imported
+torch and the entry point, and before it starts any worker: every worker
+(forked from it) runs under the limit from its first instruction, so no child
+escapes it, while the interpreter's start-up, which is not the node's compute,
+is not throttled (at a quarter CPU, the agent's start-up took about 12 s). The
+agent runs in a network namespace, whose ``/sys`` has no cgroups, so
+:func:`deferred_join_prefix` opens the cgroup's ``cgroup.procs`` before the
+namespace is entered and hands the open file down; the agent writes its pid
+into it with :func:`join_deferred`. :func:`join_prefix` puts a whole command
+inside from the start. Names carry the
 creating process id, like the testbed's namespaces; :func:`cleanup_leftovers`
 removes those of processes that are gone.
 """
@@ -21,7 +28,8 @@ import re
 import time
 from pathlib import Path
 
-__all__ = ["CpuLimitError", "cgroup_root", "cleanup_leftovers", "create", "join_prefix", "remove"]
+__all__ = ["CpuLimitError", "cgroup_root", "cleanup_leftovers", "create", "deferred_join_prefix", "join_deferred",
+           "join_prefix", "remove"]
 
 # A short period spreads the throttling evenly over a step: with the kernel's default 100 ms a node at a quarter
 # CPU runs 25 ms flat out and then stalls 75 ms, so a step of a few ms is either unhurt or stalled whole.
@@ -62,6 +70,30 @@ def create(node: int, cpus: float) -> Path:
     except OSError as exc:
         raise CpuLimitError(f"cannot limit node {node} to {cpus:g} CPUs in {path}: {exc}") from exc
     return path
+
+
+_JOIN_FD = 9
+_JOIN_FD_VARIABLE = "HYBRID_CGROUP_FD"
+
+
+def deferred_join_prefix(path: Path) -> tuple[str, ...]:
+    """A command prefix that opens cgroup ``path``'s ``cgroup.procs`` for the command, which joins the cgroup
+    when it calls :func:`join_deferred` (also from inside a network namespace)."""
+    script = f'exec {_JOIN_FD}>"$0/cgroup.procs" && export {_JOIN_FD_VARIABLE}={_JOIN_FD} && exec "$@"'
+    return ("sh", "-c", script, str(path))
+
+
+def join_deferred() -> bool:
+    """Move this process (all its threads) into the cgroup a :func:`deferred_join_prefix` opened for it, if any;
+    whatever it starts from now on is inside too. Returns whether it joined one."""
+    fd = os.environ.pop(_JOIN_FD_VARIABLE, None)
+    if fd is None:
+        return False
+    try:
+        os.write(int(fd), str(os.getpid()).encode())
+    finally:
+        os.close(int(fd))
+    return True
 
 
 def join_prefix(path: Path) -> tuple[str, ...]:

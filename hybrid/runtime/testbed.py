@@ -210,7 +210,9 @@ class Testbed:
     @property
     def nodes(self) -> list[NodeNetwork]:
         ifnames = ",".join(nic_names(self.nics_per_node))
-        limits = [cpu_limit.join_prefix(path) for path in self.cgroups] or [()] * self.nnodes
+        # The agent joins its node's cgroup once it has started (cpu_limit.join_deferred): its workers are
+        # throttled, its interpreter's start-up is not.
+        limits = [cpu_limit.deferred_join_prefix(path) for path in self.cgroups] or [()] * self.nnodes
         return [NodeNetwork(nic_address(i, 0), ifnames, (*limit, "ip", "netns", "exec", ns))
                 for i, (ns, limit) in enumerate(zip(self.namespaces, limits))]
 

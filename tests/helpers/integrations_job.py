@@ -238,7 +238,26 @@ def attach_cases() -> dict:
         group, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
         return hybrid.attach(ddp(process_group=group))
 
+    def two_models(algorithm=None):
+        """A generator feeding a discriminator, both DDP, one backward through both: one communicator for both."""
+        torch.manual_seed(0)
+        first, second = nn.Linear(16, 16), nn.Linear(16, 1)
+        models = [nn.parallel.DistributedDataParallel(m) for m in (first, second)]
+        attached = hybrid.attach(models, algorithm) if algorithm else None
+        optimizer = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1, momentum=0.9)
+        batches = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            optimizer.zero_grad()
+            models[1](models[0](torch.randn(8, 16, generator=batches))).pow(2).mean().backward()
+            optimizer.step()
+        if attached is not None:
+            attached.close()
+        return {"weights": torch.cat([flat_weights(first), flat_weights(second)]),
+                "hooked": len(attached.hooks) if attached else 0}
+
     return {
+        "attach/two-models-plain": lambda: two_models(),
+        "attach/two-models": lambda: two_models("hierarchical"),
         "nodes/ray": lambda: found_nodes({"NODE_RANK": str(node), "LOCAL_RANK": str(local)}),
         "nodes/slurm": lambda: found_nodes({"SLURM_NODEID": str(node), "SLURM_LOCALID": str(local)}),
         "nodes/hostname-two-machines": lambda: found_nodes({"LOCAL_RANK": str(local)}, host=f"machine-{node}"),

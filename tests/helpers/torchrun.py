@@ -10,6 +10,8 @@ from pathlib import Path
 
 from hybrid.runtime.launch import free_port
 
+from helpers.background import track
+
 __all__ = ["two_agents"]
 
 
@@ -19,13 +21,15 @@ def two_agents(args: list[str], cwd: Path, timeout_s: float = 240, nproc_per_nod
     port = free_port()
     environ = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    agents = [subprocess.Popen([torchrun, "--nnodes", "2", "--nproc-per-node", str(nproc_per_node), "--node-rank",
-                                str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), *args],
-                               cwd=cwd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agents = [track(subprocess.Popen([torchrun, "--nnodes", "2", "--nproc-per-node", str(nproc_per_node),
+                                      "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                      *args], cwd=cwd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True))
               for node in range(2)]
     try:
         outputs = [agent.communicate(timeout=timeout_s)[0] for agent in agents]
     finally:
         for agent in agents:
-            agent.kill()
+            if agent.poll() is None:
+                os.killpg(agent.pid, 9)  # the agent and its workers
     return [(agent.returncode, output) for agent, output in zip(agents, outputs)]

@@ -1,0 +1,73 @@
+"""Jobs that start when the session starts and run beside the tests that come first, for tests that read them later.
+
+A program started the way its users start it (two ``torchrun`` agents: Lightning, the Hugging Face Trainer,
+accelerate, the examples) pays its library's imports in every process, about 2 CPU-seconds each, and none
+of it can be forked from a warm process. The suite runs the one-process tiers first (unit, then packaging:
+about a minute, mostly on one core), so these jobs, started in one background thread in the order their
+modules declared them, use the other core then. A test reads its job with :func:`result`, which waits for
+it (or runs it at once if it was not started: ``pytest tests/test_examples.py -k hf``).
+
+Jobs must not depend on the tests around them: their own temporary folders, ports outside the ones tests
+pick (torchrun's documented 29400 is below the kernel's ephemeral range), a session of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+__all__ = ["declare", "result", "start", "stop", "track"]
+
+_DECLARED: dict[str, tuple[Callable[[str], bool], Callable[[], Any]]] = {}  # job name -> (wanted by test id?, job)
+_STARTED: dict[str, Future] = {}
+_PROCESSES: list[subprocess.Popen] = []
+_LOCK = threading.Lock()
+_EXECUTOR: ThreadPoolExecutor | None = None
+
+
+def declare(name: str, wanted_by: Callable[[str], bool], job: Callable[[], Any]) -> None:
+    """Make ``job`` startable in the background under ``name``, for the tests whose ids ``wanted_by`` accepts."""
+    _DECLARED[name] = (wanted_by, job)
+
+
+def start(test_ids: list[str]) -> list[str]:
+    """Start, one after the other in one thread, the jobs the tests ``test_ids`` want; their names."""
+    global _EXECUTOR
+    names = [name for name, (wanted_by, _) in _DECLARED.items()
+             if name not in _STARTED and any(wanted_by(test_id) for test_id in test_ids)]
+    if names and _EXECUTOR is None:
+        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-job")
+    for name in names:
+        _STARTED[name] = _EXECUTOR.submit(_DECLARED[name][1])
+    return names
+
+
+def result(name: str, timeout_s: float = 600) -> Any:
+    """The job's return value (its exception, raised here), waiting at most ``timeout_s`` for it."""
+    if name not in _STARTED:
+        return _DECLARED[name][1]()
+    return _STARTED[name].result(timeout=timeout_s)
+
+
+def track(process: subprocess.Popen) -> subprocess.Popen:
+    """Remember a job's process (started with ``start_new_session=True``) so that :func:`stop` can end it."""
+    with _LOCK:
+        _PROCESSES.append(process)
+    return process
+
+
+def stop() -> None:
+    """End of the session: drop what has not started, kill the process groups of what is still running."""
+    if _EXECUTOR is not None:
+        _EXECUTOR.shutdown(wait=False, cancel_futures=True)
+    with _LOCK:
+        for process in _PROCESSES:
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
