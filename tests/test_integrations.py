@@ -20,7 +20,7 @@ from helpers import background
 from helpers.once import once
 from helpers.torchrun import two_agents
 
-JOB = __import__("helpers.integrations_job", fromlist=["x"]).__file__
+JOB = str(Path(__file__).parent / "helpers" / "integrations_job.py")  # a program: run, never imported
 PARITY = {"rtol": 1e-5, "atol": 1e-6}
 
 

@@ -24,7 +24,7 @@ from torch import nn
 import hybrid
 from hybrid.core.attach import Attached
 
-OUT = Path(sys.argv[1])
+OUT = Path(sys.argv[1] if __name__ == "__main__" else ".")
 STEPS = 4  # optimizer steps
 ACCUMULATE = 2  # micro-batches per optimizer step
 TEXT = "".join(p.read_text() for p in sorted((Path(__file__).resolve().parents[2] / "docs").glob("*.md")))
