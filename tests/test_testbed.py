@@ -283,7 +283,9 @@ def test_a_node_whose_links_go_down_is_left_behind_and_the_job_finishes_on_the_o
     assert ours() == []
 
 
-STRAGGLER_RUN = ["cluster.testbed.enabled=true", "cluster.testbed.link_mbit=1000", "comm=hierarchical",
+# One worker per node: the straggler is found per node, and a node of two workers at a quarter CPU spent ~12 s more
+# setting up its workers (each at an eighth of a CPU) than one of one.
+STRAGGLER_RUN = ["cluster.nproc_per_node=1", "cluster.testbed.enabled=true", "cluster.testbed.link_mbit=1000", "comm=hierarchical",
                  "model.width=512", "model.depth=4", "data.batch_size=64", "data.num_samples=4096",
                  "trainer.max_steps=24", "trainer.log_every=8", "trainer.straggler_steps=5"]
 
@@ -291,7 +293,7 @@ STRAGGLER_RUN = ["cluster.testbed.enabled=true", "cluster.testbed.link_mbit=1000
 @pytest.mark.testbed
 @needs_testbed
 def test_a_node_given_a_quarter_of_the_cpu_is_named_the_slowest_and_equal_nodes_are_not(tmp_path):
-    """2x2 on the testbed, node 1's cgroup at a quarter of node 0's CPU (cluster.testbed.cpu_quota): metrics.json's
+    """2x1 on the testbed, node 1's cgroup at a quarter of node 0's CPU (cluster.testbed.cpu_quota): metrics.json's
     slowest_node is 1, for its compute, and a warning names it during training; with equal shares, nobody."""
     runs = {}
     for name, quota in (("slow", "[1.0,0.25]"), ("equal", "1.0")):
