@@ -38,8 +38,35 @@ class _FirstTiersThenBackground:
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         items.sort(key=lambda item: min((FIRST.get(m.name, 2) for m in item.iter_markers() if m.name in TIERS),
                                         default=2))
-        if not config.option.collectonly:
-            background.start([item.nodeid for item in items])
+        if config.option.collectonly:
+            return
+        for item in items:
+            if item.get_closest_marker("background"):
+                _declare_test(item)
+        background.start([item.nodeid for item in items])
+
+
+def _declare_test(item: pytest.Item) -> None:
+    """Run a ``background`` test's function in the background lane; its item then reports what it raised."""
+    params = dict(item.callspec.params) if hasattr(item, "callspec") else {}
+    kwargs = {}
+    for name in item._fixtureinfo.argnames:
+        if name in params:
+            kwargs[name] = params[name]
+        elif name == "tmp_path":
+            kwargs[name] = item.config._tmp_path_factory.mktemp("background", numbered=True)
+        else:
+            raise pytest.UsageError(f"{item.nodeid} is marked background but asks for fixture {name!r}: "
+                                    "background tests take only tmp_path and their parameters")
+    background.declare(item.nodeid, lambda test_id: test_id == item.nodeid, lambda: item.obj(**kwargs))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if pyfuncitem.get_closest_marker("background") and background.started(pyfuncitem.nodeid):
+        background.result(pyfuncitem.nodeid)  # what the function raised in the background, raised here
+        return True
+    return None
 
 
 def pytest_configure(config: pytest.Config) -> None:

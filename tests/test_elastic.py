@@ -124,6 +124,7 @@ def test_elastic_lr_scale_follows_the_global_batch_and_the_history_says_why():
 # keeps 3x2 sharded (intra and cross groups rebuilt); the leaders' group is rebuilt on a smaller membership in
 # tests/test_testbed.py's link-down run (2x1 hierarchical -> 1 node).
 @pytest.mark.parametrize("nproc, comm", [(2, "sharded")])
+@pytest.mark.background  # mostly waits (the lost node's heartbeat, the rendezvous): beside the first tiers
 def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membership(nproc, comm, tmp_path):
     """3 nodes, cluster.min_nnodes=2: node 2's agent and its workers are SIGKILLed after the step-10
     checkpoint. The other two re-rendezvous, rebuild their groups over two nodes, resume from the last

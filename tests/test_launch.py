@@ -7,7 +7,7 @@ import pytest
 from hybrid.core.topology import Layout
 from hybrid.runtime.launch import LaunchError, launch_local
 
-from helpers import launch_targets
+from helpers import background, launch_targets
 from helpers.processes import hybrid_processes, left_after, processes_with_marker
 
 
@@ -34,6 +34,7 @@ def test_worker_exception_is_surfaced_with_its_message():
 
 @pytest.mark.multiprocess
 def test_hung_job_is_stopped_at_the_deadline_and_leaves_no_process():
+    background.wait_all()  # it looks at every hybrid process on the machine: none of another test's may run
     marker = uuid.uuid4().hex
     with pytest.raises(LaunchError, match="did not finish within timeout_s=6"):
         launch_local(

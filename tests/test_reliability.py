@@ -117,6 +117,7 @@ def test_training_into_a_full_disk_stops_with_a_clear_error(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.background  # mostly waits: beside the first tiers
 def test_resume_from_a_corrupt_newest_checkpoint_uses_the_one_before(tmp_path):
     run = tmp_path / "run"
     # One node of two workers: what is tested is the checkpoint files, not the layout (and it starts faster).
@@ -139,6 +140,7 @@ def test_resume_from_a_corrupt_newest_checkpoint_uses_the_one_before(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.background  # mostly waits: beside the first tiers
 def test_a_killed_worker_stops_the_whole_job_with_its_rank_named(tmp_path):
     job = Job(tmp_path, *SLOW, "trainer.max_steps=100000", "comm.timeout_s=20", "comm=hierarchical")
     job.wait_for(r"step 5/")
@@ -177,6 +179,7 @@ def test_a_node_whose_link_goes_down_fails_the_job_within_the_timeout(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.background  # mostly waits: beside the first tiers
 def test_elastic_restart_resumes_and_ends_where_an_uninterrupted_run_ends(tmp_path):
     common = [*SLOW, "trainer.max_steps=16", "trainer.checkpoint_every=5", "comm=sharded"]
     clean = subprocess.run([sys.executable, "-m", "hybrid.train", *common, f"hydra.run.dir={tmp_path / 'clean'}"],

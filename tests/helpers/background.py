@@ -2,10 +2,12 @@
 
 A program started the way its users start it (two ``torchrun`` agents: Lightning, the Hugging Face Trainer,
 accelerate, the examples) pays its library's imports in every process, about 2 CPU-seconds each, and none
-of it can be forked from a warm process. The suite runs the one-process tiers first (unit, then packaging:
-about a minute, mostly on one core), so these jobs, started in one background thread in the order their
-modules declared them, use the other core then. A test reads its job with :func:`result`, which waits for
-it (or runs it at once if it was not started: ``pytest tests/test_examples.py -k hf``).
+of it can be forked from a warm process; a test of a failure (a node killed, an elastic restart) mostly
+waits. The suite runs the one-process tiers first (unit, then packaging: about a minute, mostly on one
+core), so these jobs, started in one background thread in the order they were declared, use the other
+core then and wait while others compute. A test reads its job with :func:`result`, which waits for it (or
+runs it at once if it was not started: ``pytest tests/test_examples.py -k hf``). A test marked
+``background`` is such a job itself (tests/conftest.py runs its function in this thread).
 
 Jobs must not depend on the tests around them: their own temporary folders, ports outside the ones tests
 pick (torchrun's documented 29400 is below the kernel's ephemeral range), a session of their own.
@@ -20,7 +22,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-__all__ = ["declare", "result", "start", "stop", "track"]
+__all__ = ["declare", "result", "start", "started", "stop", "track", "wait_all"]
 
 _DECLARED: dict[str, tuple[Callable[[str], bool], Callable[[], Any]]] = {}  # job name -> (wanted by test id?, job)
 _STARTED: dict[str, Future] = {}
@@ -51,6 +53,19 @@ def result(name: str, timeout_s: float = 600) -> Any:
     if name not in _STARTED:
         return _DECLARED[name][1]()
     return _STARTED[name].result(timeout=timeout_s)
+
+
+def started(name: str) -> bool:
+    return name in _STARTED
+
+
+def wait_all(timeout_s: float = 600) -> None:
+    """Wait until every started job has ended (however): for a test that looks at every process on the machine."""
+    for future in list(_STARTED.values()):
+        try:
+            future.exception(timeout=timeout_s)
+        except Exception:  # cancelled or still running at the deadline: its own test reports it
+            pass
 
 
 def track(process: subprocess.Popen) -> subprocess.Popen:
