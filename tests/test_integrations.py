@@ -61,6 +61,7 @@ CASES = [("lightning", "hierarchical"), ("lightning", "sharded"), ("trainer", "h
 def test_training_with_hybrid_ends_where_the_library_s_own_ddp_ends_with_identical_ranks(ranks, library, algorithm):
     plain = result(ranks, f"{library}/plain")["weights"]
     hybrid = [result(ranks, f"{library}/{algorithm}", rank) for rank in range(4)]
+    print(f"{library} {algorithm}: max |hybrid - plain| = {(hybrid[0]['weights'] - plain).abs().max():.2e}")
     torch.testing.assert_close(hybrid[0]["weights"], plain, **PARITY)
     assert all(torch.equal(r["weights"], hybrid[0]["weights"]) for r in hybrid[1:])
     assert [r["algorithm"] for r in hybrid] == [algorithm] * 4
@@ -71,6 +72,7 @@ def test_training_with_hybrid_ends_where_the_library_s_own_ddp_ends_with_identic
 def test_the_parity_check_fails_on_a_communicator_that_scales_by_1_001(ranks, library):
     plain = result(ranks, f"{library}/plain")["weights"]
     sabotaged = result(ranks, f"{library}/sabotaged")["weights"]
+    print(f"{library} scaled by 1.001: max |hybrid - plain| = {(sabotaged - plain).abs().max():.2e}")
     with pytest.raises(AssertionError, match="Mismatched elements"):
         torch.testing.assert_close(sabotaged, plain, **PARITY)
 
