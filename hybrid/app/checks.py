@@ -9,6 +9,8 @@ well), so ``main`` can exit 2 with nothing written.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 import re
 from pathlib import Path
@@ -244,9 +246,20 @@ def one_line_error(exc: BaseException, conf_dir: Path, user_dirs: list[Path] | t
     cause = exc.__cause__ or exc
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         msg = getattr(cause, "msg", str(cause)).strip().splitlines()[0]
-        return f"{cause.full_key}: {msg}"
+        return f"{cause.full_key}: {msg}{_did_you_mean(cause)}"
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return " ".join(lines[:2]) if lines else type(exc).__name__
+
+
+def _did_you_mean(cause: OmegaConfBaseException) -> str:
+    """``; did you mean trainer.max_steps?`` for a key its config class does not have but nearly has."""
+    owner, key = getattr(cause, "object_type", None), getattr(cause, "key", None)
+    if not (isinstance(key, str) and owner is not None and dataclasses.is_dataclass(owner)
+            and f"Key '{key}' not in" in str(getattr(cause, "msg", ""))):
+        return ""
+    close = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(owner)], n=3, cutoff=0.6)
+    parent = cause.full_key.rsplit(".", 1)[0] + "." if "." in cause.full_key else ""
+    return f"; did you mean {' or '.join(parent + c for c in close)}?" if close else ""
 
 
 def compose_train_config(overrides: list[str], conf_dir: Path | None = None,
