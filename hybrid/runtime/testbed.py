@@ -143,6 +143,20 @@ def _ours() -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     return namespaces, bridges
 
 
+# ``ip netns exec NS`` mounts /etc/netns/NS/hosts over /etc/hosts: a hosts file per namespace that names every
+# node's addresses. Without it a reverse lookup of a peer's address (c10d does one for every store
+# connection) goes to a DNS server no namespace can reach and fails with EAI_AGAIN, which c10d logged as
+# "[c10d] The hostname of the client socket cannot be retrieved. err=-3", once per connection.
+NETNS_ETC = Path("/etc/netns")
+
+
+def _hosts_file(addresses: dict[str, str]) -> str:
+    """Loopback and every node address, also as the IPv4-mapped IPv6 address a dual-stack socket reports."""
+    lines = ["127.0.0.1 localhost", "::1 localhost"]
+    lines += [f"{prefix}{address} {name}" for address, name in addresses.items() for prefix in ("", "::ffff:")]
+    return "\n".join(lines) + "\n"
+
+
 def cleanup_leftovers() -> list[str]:
     """Remove namespaces and bridges of testbeds whose creating process is gone; return their names."""
     namespaces, bridges = _ours()
@@ -151,6 +165,9 @@ def cleanup_leftovers() -> list[str]:
         if not _alive(pid):
             subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
             removed.append(name)
+    for folder in NETNS_ETC.glob("hybrid-*") if NETNS_ETC.is_dir() else ():
+        if (m := _NS.match(folder.name)) and not _alive(int(m.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
     for name, pid in bridges:
         if not _alive(pid):
             subprocess.run(["ip", "link", "delete", name], capture_output=True, timeout=30)
@@ -243,7 +260,11 @@ class Testbed:
                 raise TestbedError(str(exc)) from exc
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "link", "set", self.bridge, "up")
+        names = {nic_address(i, k): f"hybrid-n{i}" + (f"-nic{k}" if k else "")
+                 for i in range(self.nnodes) for k in range(self.nics_per_node)}
         for i, (ns, host_ends, link) in enumerate(zip(self.namespaces, self._host_ends, self.links)):
+            (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)  # before the namespace: destroy() removes both
+            (NETNS_ETC / ns / "hosts").write_text(_hosts_file(names))
             _run("ip", "netns", "add", ns)
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             if self.nics_per_node > 1:
@@ -265,6 +286,7 @@ class Testbed:
         """Remove everything this testbed created (deleting a namespace deletes its veth pair)."""
         for ns in self.namespaces:
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
         for host_end in (name for ends in self._host_ends for name in ends):
             subprocess.run(["ip", "link", "delete", host_end], capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True, timeout=30)
