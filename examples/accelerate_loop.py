@@ -21,3 +21,4 @@ with hybrid.attach(model, algorithm="hierarchical") as comm:  # or "sharded", "f
             optimizer.zero_grad()
     calls = {phase: stats.calls for phase, stats in comm.counters.snapshot().items()}
     print(f"rank {accelerator.process_index}: loss {loss.item():.4f}, {calls}")
+accelerator.end_training()  # leaves the process group before exit

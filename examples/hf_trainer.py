@@ -21,3 +21,4 @@ trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[hybr
 trainer.train()
 calls = {phase: stats.calls for phase, stats in hybrid_comm.counters.snapshot().items()}
 print(f"rank {args.process_index}: {calls}")
+trainer.accelerator.end_training()  # leaves the process group before exit

@@ -30,3 +30,4 @@ if __name__ == "__main__":
     trainer.fit(Regressor(), data)
     calls = {phase: stats.calls for phase, stats in hybrid_comm.counters.snapshot().items()}
     print(f"rank {trainer.global_rank} node {trainer.node_rank}: {calls}")
+    torch.distributed.destroy_process_group()  # leaves the process group before exit
