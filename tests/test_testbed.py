@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from hybrid.core.topology import Layout
 from hybrid.runtime.launch import launch_local
 from hybrid.runtime.testbed import LinkShape, Testbed, cleanup_leftovers, nic_address, testbed_available
 
-from helpers import testbed_targets
+from helpers import as_user, testbed_targets
 
 REASON = testbed_available()
 needs_testbed = pytest.mark.skipif(REASON is not None, reason=f"testbed unavailable: {REASON}")
@@ -241,14 +243,28 @@ def test_a_training_run_interrupted_mid_way_leaves_no_namespace(sig, tmp_path):
 
 
 @pytest.mark.unit
-def test_without_root_the_testbed_says_so(monkeypatch):
+def test_without_root_or_user_namespaces_the_testbed_says_what_it_needs(monkeypatch):
+    import hybrid.runtime.testbed as testbed
+
+    # Not root, and the user-namespace probe fails for real (an option unshare does not have).
+    monkeypatch.setattr(testbed.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(testbed, "USERNS", (*testbed.USERNS, "--no-such-option"))
+    reason = testbed.testbed_available()
+    assert reason.startswith("the network testbed needs root or unprivileged user namespaces (running as uid 1000")
+    assert "kernel.unprivileged_userns_clone=1" in reason and "\n" not in reason
+    with pytest.raises(testbed.TestbedError, match="needs root or unprivileged user namespaces"):
+        Testbed(2, LinkShape(100)).__enter__()
+    assert ours() == []
+
+
+@pytest.mark.unit
+def test_cpu_limits_without_root_are_refused_in_one_line(monkeypatch):
     import hybrid.runtime.testbed as testbed
 
     monkeypatch.setattr(testbed.os, "geteuid", lambda: 1000)
-    assert testbed.testbed_available() == "the network testbed needs root (running as uid 1000)"
-    with pytest.raises(testbed.TestbedError, match="needs root"):
-        Testbed(2, LinkShape(100)).__enter__()
-    assert ours() == []
+    monkeypatch.setattr(testbed, "testbed_available", lambda: None)
+    with pytest.raises(testbed.TestbedError, match=r"cpu_quota needs root: cgroups cannot be made by uid 1000"):
+        Testbed(2, LinkShape(100), cpus=[1.0, 0.5]).__enter__()
 
 
 @pytest.mark.testbed
@@ -341,3 +357,34 @@ def test_the_link_probe_names_the_node_with_the_slow_nic(tmp_path):
     assert "slow: node(s) 2" in out.stdout
     best = probe["best_gbps"]
     assert best[2] < 0.12 and min(best[0], best[1]) > 0.3  # 100 and 500 Mbit/s links, as measured
+
+
+@pytest.mark.testbed
+@pytest.mark.background  # one small run that mostly starts processes: beside the first tiers
+@pytest.mark.skipif(as_user.unavailable() is not None, reason=f"{as_user.unavailable()}")
+def test_a_user_without_root_trains_on_the_testbed_in_a_user_namespace():
+    """The trainer on the testbed run as nobody: the namespaces, links and shaping live in a user namespace of
+    the run's own (unshare -rnm), the run finishes, its files are nobody's, its gloo traffic crossed each node's
+    shaped NIC, and nothing is left behind, neither a holder process nor a namespace of the machine's."""
+    workdir = Path(tempfile.mkdtemp(prefix="hybrid-nobody-"))
+    try:
+        workdir.chmod(0o777)
+        out = subprocess.run(as_user.as_nobody(
+            [sys.executable, "-m", "hybrid.train", "cluster.testbed.enabled=true", "cluster.testbed.link_mbit=100",
+             "cluster.nproc_per_node=1", "trainer.max_steps=4", "trainer.log_every=2", "model.width=256",
+             "hydra.run.dir=run"], workdir, env={"HOME": str(workdir)}),
+            cwd=workdir, capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stderr[-3000:]
+        metrics_file = workdir / "run" / "metrics.json"
+        assert metrics_file.stat().st_uid == as_user.NOBODY  # written by the unprivileged user
+        metrics = json.loads(metrics_file.read_text())
+        assert metrics["steps"] == 4
+        # Each node's worker counted its own namespace's nic0: the gradients (and a little more) per step.
+        sent = metrics["nic_tx_bytes_per_step_by_node"]
+        assert len(sent) == 2 and all(metrics["param_bytes"] <= b < 1.15 * metrics["param_bytes"] for b in sent), sent
+        assert "hostname of the client socket cannot be retrieved" not in out.stderr
+        left = subprocess.run(["pgrep", "-u", str(as_user.NOBODY), "-f", "unshare --user"], capture_output=True)
+        assert left.returncode == 1, left.stdout  # no holder left
+        assert ours() == []
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

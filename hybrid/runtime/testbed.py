@@ -22,7 +22,13 @@ leftover from a killed run is recognised and removed by the next one.
 With ``cpus``, each node also runs in a cgroup limited to that many CPUs
 (:mod:`hybrid.runtime.cpu_limit`): a node that computes slower.
 
-Needs root and iproute2 (``ip``, ``tc``).
+Needs iproute2 (``ip``, ``tc``) and either root or unprivileged user namespaces. Without root the whole
+testbed lives inside one user namespace of its own (``unshare --user --map-root-user --net --mount``, the
+same call as ``unshare -rnm``): there this process's user is root over a network namespace that stands in
+for the machine's (the bridge lives in it) and a mount namespace where ``/run`` (for ``ip netns``) and
+``/etc/hosts`` are the testbed's. A holder process keeps the namespaces alive and every command enters
+them with ``nsenter``; the holder reads its stdin until this process is gone, so everything the testbed
+made disappears with it, even after a SIGKILL. CPU limits (cgroups) still need root.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import select
 import signal
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -100,16 +108,34 @@ class TestbedError(RuntimeError):
 
 
 def testbed_available() -> str | None:
-    """None if a testbed can be built here, else the reason why not."""
-    if os.geteuid() != 0:
-        return f"the network testbed needs root (running as uid {os.geteuid()})"
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    """None if a testbed can be built here (as root, or in a user namespace of its own), else the reason."""
+    tools = ("ip", "tc") if os.geteuid() == 0 else ("ip", "tc", "unshare", "nsenter")
+    missing = [tool for tool in tools if shutil.which(tool) is None]
     if missing:
-        return f"the network testbed needs iproute2: {', '.join(missing)} not found"
+        return f"the network testbed needs {', '.join(missing)} (iproute2, util-linux): not found"
+    if os.geteuid() != 0:
+        return _user_namespaces_refused()
     probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"network namespaces are not available: {probe.stderr.strip()}"
     return None
+
+
+USERNS = ("unshare", "--user", "--map-root-user", "--net", "--mount")
+
+
+def _user_namespaces_refused() -> str | None:
+    """None if this user may make a user namespace with network and mount namespaces, else what is needed."""
+    try:
+        probe = subprocess.run([*USERNS, "true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        probe = subprocess.CompletedProcess(USERNS, 1, "", str(exc))
+    if probe.returncode == 0:
+        return None
+    said = (probe.stderr.strip().splitlines() or [f"exit {probe.returncode}"])[0]
+    return (f"the network testbed needs root or unprivileged user namespaces (running as uid {os.geteuid()}, "
+            f"`unshare -rnm` failed: {said}); as root, allow them with "
+            "`sysctl -w kernel.unprivileged_userns_clone=1 user.max_user_namespaces=15000`, or run as root")
 
 
 def _run(*cmd: str) -> str:
@@ -194,6 +220,40 @@ class LinkShape:
         return ["tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", f"{burst:.0f}kb", "latency", f"{self.latency_ms:g}ms"]
 
 
+class _UserNamespace:
+    """A user namespace (root inside) with its own network and mount namespaces, held by a child process.
+
+    ``prefix`` runs a command inside them. The holder (``cat``) lives until its stdin closes: at
+    :meth:`close`, or when the process that made it dies in any way."""
+
+    READY_TIMEOUT_S = 30.0
+
+    def __init__(self) -> None:
+        self.holder = subprocess.Popen([*USERNS, "--fork", "sh", "-c", "echo ready && exec cat >/dev/null"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, start_new_session=True)
+        ready, _, _ = select.select([self.holder.stdout], [], [], self.READY_TIMEOUT_S)
+        line = self.holder.stdout.readline() if ready else ""
+        if line.strip() != "ready":
+            self.close()
+            raise TestbedError(f"`{' '.join(USERNS)}` did not start within {self.READY_TIMEOUT_S:.0f} s: "
+                               f"{self.holder.stderr.read().strip() if self.holder.poll() is not None else 'no answer'}")
+        self.prefix: tuple[str, ...] = ("nsenter", f"--target={self.holder.pid}", "--user", "--net", "--mount",
+                                         "--preserve-credentials")  # setgroups is denied in the namespace
+
+    def close(self) -> None:
+        if self.holder.stdin and not self.holder.stdin.closed:
+            self.holder.stdin.close()
+        try:
+            self.holder.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.holder.kill()
+            self.holder.wait(timeout=10)
+        for stream in (self.holder.stdout, self.holder.stderr):
+            if stream:
+                stream.close()
+
+
 class Testbed:
     """``with Testbed(2, LinkShape(500)) as tb: launch_local(layout, fn, nodes=tb.nodes)``.
 
@@ -223,6 +283,18 @@ class Testbed:
         self._host_ends = [[f"hyb{pid}n{i}" + ("" if k == 0 else chr(ord("a") + k)) for k in range(nics_per_node)]
                            for i in range(nnodes)]
         self._previous_sigterm: object = None
+        self._userns: _UserNamespace | None = None
+        self._etc: Path | None = None  # the hosts file of a user-namespace testbed
+
+    @property
+    def prefix(self) -> tuple[str, ...]:
+        """What runs a command in the testbed's root network namespace (the switch's): nothing as root, else
+        ``nsenter`` into its user namespace. ``(*bed.prefix, "ip", "netns", "exec", ns, ...)`` reaches a node."""
+        # Entering a mount namespace moves to its root directory: --wd keeps the caller's working directory.
+        return (*self._userns.prefix, f"--wd={os.getcwd()}") if self._userns else ()
+
+    def _run(self, *cmd: str) -> str:
+        return _run(*self.prefix, *cmd)
 
     @property
     def nodes(self) -> list[NodeNetwork]:
@@ -230,15 +302,19 @@ class Testbed:
         # The agent joins its node's cgroup once it has started (cpu_limit.join_deferred): its workers are
         # throttled, its interpreter's start-up is not.
         limits = [cpu_limit.deferred_join_prefix(path) for path in self.cgroups] or [()] * self.nnodes
-        return [NodeNetwork(nic_address(i, 0), ifnames, (*limit, "ip", "netns", "exec", ns))
+        return [NodeNetwork(nic_address(i, 0), ifnames, (*limit, *self.prefix, "ip", "netns", "exec", ns))
                 for i, (ns, limit) in enumerate(zip(self.namespaces, limits))]
 
     def __enter__(self) -> "Testbed":
         reason = testbed_available()
         if reason:
             raise TestbedError(reason)
-        cleanup_leftovers()
-        cpu_limit.cleanup_leftovers()
+        if os.geteuid() == 0:
+            cleanup_leftovers()  # without root nothing can be left over: a testbed dies with its namespace
+            cpu_limit.cleanup_leftovers()
+        elif self.cpus is not None:
+            raise TestbedError(f"cluster.testbed.cpu_quota needs root: cgroups cannot be made by uid {os.geteuid()} "
+                               "(the testbed itself runs in a user namespace; its CPU limits do not)")
         self._trap_sigterm()
         try:
             self._create()
@@ -258,32 +334,47 @@ class Testbed:
                     self.cgroups.append(cpu_limit.create(i, c))  # one by one: destroy() removes those made
             except cpu_limit.CpuLimitError as exc:
                 raise TestbedError(str(exc)) from exc
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
-        _run("ip", "link", "set", self.bridge, "up")
         names = {nic_address(i, k): f"hybrid-n{i}" + (f"-nic{k}" if k else "")
                  for i in range(self.nnodes) for k in range(self.nics_per_node)}
+        if os.geteuid() != 0:
+            # One hosts file for every node, over /etc/hosts in the namespace's own mounts; /run a tmpfs of its
+            # own, where ``ip netns`` keeps its namespaces (the machine's /run is not this user's to write).
+            self._userns = _UserNamespace()
+            self._etc = Path(tempfile.mkdtemp(prefix="hybrid-testbed-"))
+            (self._etc / "hosts").write_text(_hosts_file(names))
+            self._run("mount", "-t", "tmpfs", "-o", "mode=755", "hybrid-run", "/run")
+            self._run("mount", "--bind", str(self._etc / "hosts"), "/etc/hosts")
+        self._run("ip", "link", "add", self.bridge, "type", "bridge")
+        self._run("ip", "link", "set", self.bridge, "up")
         for i, (ns, host_ends, link) in enumerate(zip(self.namespaces, self._host_ends, self.links)):
-            (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)  # before the namespace: destroy() removes both
-            (NETNS_ETC / ns / "hosts").write_text(_hosts_file(names))
-            _run("ip", "netns", "add", ns)
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            if self._userns is None:
+                (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)  # before the namespace: destroy() removes both
+                (NETNS_ETC / ns / "hosts").write_text(_hosts_file(names))
+            self._run("ip", "netns", "add", ns)
+            self._run("ip", "-n", ns, "link", "set", "lo", "up")
             if self.nics_per_node > 1:
                 # A multi-homed host: answer ARP only on the NIC that holds the address, and announce from it,
                 # or a peer may learn nic0's MAC for nic1's address and send both NICs' traffic through one.
-                _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.conf.all.arp_ignore=1",
+                self._run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.conf.all.arp_ignore=1",
                      "net.ipv4.conf.all.arp_announce=2")
             for k, (nic, host_end) in enumerate(zip(nic_names(self.nics_per_node), host_ends)):
-                _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", nic, "netns", ns)
-                _run("ip", "link", "set", host_end, "master", self.bridge)
-                _run("ip", "link", "set", host_end, "up")
-                _run("ip", "-n", ns, "addr", "add", f"{nic_address(i, k)}/24", "dev", nic)
-                _run("ip", "-n", ns, "link", "set", nic, "up")
+                self._run("ip", "link", "add", host_end, "type", "veth", "peer", "name", nic, "netns", ns)
+                self._run("ip", "link", "set", host_end, "master", self.bridge)
+                self._run("ip", "link", "set", host_end, "up")
+                self._run("ip", "-n", ns, "addr", "add", f"{nic_address(i, k)}/24", "dev", nic)
+                self._run("ip", "-n", ns, "link", "set", nic, "up")
                 # Egress of the host end is the node's download; egress of the NIC its upload.
-                _run("tc", "qdisc", "add", "dev", host_end, "root", *link.tbf_args())
-                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", nic, "root", *link.tbf_args())
+                self._run("tc", "qdisc", "add", "dev", host_end, "root", *link.tbf_args())
+                self._run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", nic, "root", *link.tbf_args())
 
     def destroy(self) -> None:
         """Remove everything this testbed created (deleting a namespace deletes its veth pair)."""
+        if self._userns is not None:  # the namespaces, links and mounts go with the user namespace's last process
+            self._userns.close()
+            self._userns = None
+            shutil.rmtree(self._etc or "", ignore_errors=True)
+            self._restore_sigterm()
+            return
         for ns in self.namespaces:
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
