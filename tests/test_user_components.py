@@ -69,6 +69,11 @@ MINE = ["--config-dir", "myconf", "model=mynet", "data=spirals", "loss=smoothed"
 BAD = [
     # (overrides after MINE, what the one line must hold)
     (["model._target_=nope.Net"], "model._target_=nope.Net cannot be imported (no module named 'nope')"),
+    # With data=synthetic (kind auto), what the model takes is asked next: the missing module is still named first.
+    (["model._target_=nope.Net", "data=synthetic"], "model._target_=nope.Net cannot be imported (no module named "
+                                                    "'nope')"),
+    (["model._target_=mypkg.NoSuchNet", "data=synthetic"], "model._target_=mypkg.NoSuchNet cannot be imported "
+                                                           "(mypkg has no attribute 'NoSuchNet')"),
     (["~model.hidden"], "model._target_=mypkg.MyNet: TypeError: MyNet.__init__() missing 1 required positional "
                         "argument: 'hidden'"),
     (["+model.dropout=0.1"], "model._target_=mypkg.MyNet: TypeError: MyNet.__init__() got an unexpected keyword "
@@ -155,7 +160,7 @@ def test_a_sweep_over_a_users_model_and_a_built_in_one(example):
                        "cluster.nproc_per_node=2",
                        "trainer.max_steps=4", "hydra.sweep.dir=sweep", cwd=example)
     assert out.returncode == 0, out.stderr[-3000:]
-    models = sorted(json.loads((example / "sweep" / str(i) / "metrics.json").read_text())["model"] for i in (0, 1))
+    models = sorted(json.loads(p.read_text())["model"] for p in (example / "sweep").glob("*/metrics.json"))
     assert models == ["mlp", "mynet"]
     report = subprocess.run([sys.executable, "-m", "hybrid.report", "sweep"], cwd=example, capture_output=True,
                             text=True, timeout=120)

@@ -252,14 +252,23 @@ def one_line_error(exc: BaseException, conf_dir: Path, user_dirs: list[Path] | t
 
 
 def _did_you_mean(cause: OmegaConfBaseException) -> str:
-    """``; did you mean trainer.max_steps?`` for a key its config class does not have but nearly has."""
-    owner, key = getattr(cause, "object_type", None), getattr(cause, "key", None)
-    if not (isinstance(key, str) and owner is not None and dataclasses.is_dataclass(owner)
-            and f"Key '{key}' not in" in str(getattr(cause, "msg", ""))):
+    """``; did you mean trainer.max_steps?`` for a key its config nearly has: a typed group's config class
+    (cluster, comm, trainer) or the keys a component group's node has (model, data, loss, optim)."""
+    owner, key, msg = getattr(cause, "object_type", None), getattr(cause, "key", None), str(getattr(cause, "msg", ""))
+    if not isinstance(key, str):
         return ""
-    close = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(owner)], n=3, cutoff=0.6)
+    if owner is not None and dataclasses.is_dataclass(owner) and f"Key '{key}' not in" in msg:
+        known = [f.name for f in dataclasses.fields(owner)]
+    elif f"Key '{key}' is not in struct" in msg and isinstance(getattr(cause, "parent_node", None), DictConfig):
+        known = [str(k) for k in cause.parent_node.keys() if not str(k).startswith("_")]
+    else:
+        return ""
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
     parent = cause.full_key.rsplit(".", 1)[0] + "." if "." in cause.full_key else ""
-    return f"; did you mean {' or '.join(parent + c for c in close)}?" if close else ""
+    if close:
+        return f"; did you mean {' or '.join(parent + c for c in close)}?"
+    # A component's node is open to new arguments, through Hydra's append syntax.
+    return f"; to pass a new argument, +{cause.full_key}=..." if "is not in struct" in msg else ""
 
 
 def compose_train_config(overrides: list[str], conf_dir: Path | None = None,

@@ -100,10 +100,9 @@ class Component:
         return line
 
     def _why(self, exc: InstantiationException) -> str:
-        problem = locate_problem(self.target)
+        problem = import_problem(self.key, self.target)
         if problem is not None:
-            return (f"{self.key}._target_={self.target} cannot be imported ({problem}): give the import path of a "
-                    "class or function, with its package on PYTHONPATH")
+            return problem
         if exc.__cause__ is not None:
             return self._failed(exc.__cause__)
         return f"{self.key}._target_={self.target}: {first_line(exc)}"
@@ -152,6 +151,15 @@ def locate_problem(target: str) -> str | None:
     return f"no module named {parts[0]!r}"
 
 
+def import_problem(key: str, target: str) -> str | None:
+    """The one line for a ``_target_`` that cannot be imported, naming the module first; None if it can."""
+    problem = locate_problem(target)
+    if problem is None:
+        return None
+    return (f"{key}._target_={target} cannot be imported ({problem}): give the import path of a class or function, "
+            "with its package on PYTHONPATH")
+
+
 def _as_type_of(key: str, value: Any, default: Any) -> Any:
     """A hybrid key of an open node, typed as its default is (the schema cannot type an open node)."""
     kind = type(default)
@@ -180,6 +188,11 @@ def component_of(key: str, node: Any, own: dict[str, Any] | None = None) -> tupl
     if not isinstance(target, str) or not target:
         raise ComponentError(f"{key} has no _target_: give {key}._target_=<import path of a class or function> "
                              f"(or pick one of the shipped {key} configs)")
+    # Before anything that depends on the target (data.kind=auto asks what a model takes): a module that does not
+    # exist is the first thing to fix, and would otherwise be reported only after following other advice.
+    problem = import_problem(key, target)
+    if problem is not None:
+        raise ComponentError(problem)
     mine = {name: _as_type_of(f"{key}.{name}", node.get(name, default), default) for name, default in own.items()}
     args = {k: v for k, v in node.items() if k != "_target_" and k not in own}
     return Component(key, target, args), mine
