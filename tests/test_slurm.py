@@ -116,7 +116,7 @@ def test_bad_sweep_job_is_refused_before_anything_is_queued(tmp_path, args, need
     assert out.returncode == 2
     (line,) = out.stderr.strip().splitlines()  # one line, no traceback
     assert line.startswith("error: sweep job ") and needle in line, out.stderr[-2000:]
-    assert not (sweep / ".submitit").exists() and not (sweep / "0").exists()  # nothing submitted, nothing run
+    assert not (sweep / ".submitit").exists() and not list(sweep.glob("*/metrics.json"))  # nothing ran
 
 
 @pytest.mark.multiprocess
@@ -136,11 +136,14 @@ def test_sweep_of_two_layouts_one_elastic_agent_per_node_as_local_submitit_tasks
         raise
     assert proc.returncode == 0, (out + err)[-4000:]
 
-    for job, (nnodes, world) in enumerate([(2, 2), (1, 1)]):
-        metrics = json.loads((sweep / str(job) / "metrics.json").read_text())
+    # A job's directory: its number and its overrides.
+    jobs = sorted(p.name for p in sweep.iterdir() if p.name[:2] in ("00", "01"))
+    assert len(jobs) == 2 and "cluster.nnodes:2+" in jobs[0] and "cluster.nnodes:1+" in jobs[1], jobs
+    for job, (nnodes, world) in zip(jobs, [(2, 2), (1, 1)]):
+        metrics = json.loads((sweep / job / "metrics.json").read_text())
         assert (metrics["nnodes"], metrics["nproc_per_node"], metrics["world_size"]) == (nnodes, 1, world)
         assert metrics["steps"] == 3 and metrics["param_checksums_identical"]
-    assert sorted(p.name for p in sweep.iterdir()) == [".submitit", "0", "1", "multirun.yaml"]
+    assert sorted(p.name for p in sweep.iterdir()) == [".submitit", *jobs, "multirun.yaml"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "sweep"]  # synthetic data in the cwd
 
     # submitit's own logs: three tasks ran to completion, two of them the 2-node job's nodes, and
@@ -150,7 +153,7 @@ def test_sweep_of_two_layouts_one_elastic_agent_per_node_as_local_submitit_tasks
     assert tasks == [("0", "1"), ("0", "2"), ("1", "2")]
     assert all("Job completed successfully" in p.read_text() for p in logs)
     reports = sorted(m.group(1) for p in logs for m in re.finditer(r"metrics: (\S+)", p.read_text()))
-    assert reports == [str(sweep / "0" / "metrics.json"), str(sweep / "1" / "metrics.json")]
+    assert reports == [str(sweep / job / "metrics.json") for job in jobs]
 
     # The local controller ends its tasks just after the results are in.
     left = left_after(lambda: processes_with_marker(marker), within_s=15)

@@ -41,6 +41,12 @@ def test_default_job_finishes_and_says_where_results_are(default_run):
     metrics = re.search(r"metrics: (\S+)", out.stdout)
     assert tb and metrics and Path(tb.group(1)).is_dir() and Path(metrics.group(1)).is_file()
     assert re.search(r"step 50/50\s+loss [\d.]+\s+lr [\d.e-]+\s+\d+ samples/s", out.stdout)
+    # The first line says what runs and where its logs go.
+    first = out.stdout.splitlines()[0]
+    assert re.fullmatch(r"hybrid: 2 nodes x 2 workers, comm=hierarchical, model mlp \(w256 d4\), \d+\.\d MB of "
+                        r"gradients; logs and TensorBoard in outputs/runs/\S+_hierarchical_2x2", first), first
+    # The simulated nodes share this machine's CPUs and have no limits of their own: contention, not a straggler.
+    assert "is the slowest" not in out.stdout
 
 
 @pytest.mark.multiprocess
@@ -55,6 +61,8 @@ def test_metrics_json_has_the_documented_keys(default_run):
     assert set(metrics["comm_s"]) == set(metrics["bytes"]) == {
         "flat_allreduce", "intra_reduce", "inter_allreduce", "intra_broadcast"}
     assert metrics["bytes"]["inter_allreduce"] > 0 and metrics["comm_s"]["intra_reduce"] > 0
+    assert metrics["straggler_candidates"] == [] and metrics["slowest_node"] is None
+    assert len(metrics["node_hosts"]) == 2 and len(set(metrics["node_hosts"])) == 1
 
 
 @pytest.mark.multiprocess
@@ -62,8 +70,14 @@ def test_only_rank_zero_writes_one_run_dir(default_run):
     cwd, out, _ = default_run
     runs = list((cwd / "outputs" / "runs").iterdir())
     assert len(runs) == 1
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d-\d{6}_hierarchical_2x2", runs[0].name), runs[0].name
     assert sorted(p.name for p in runs[0].iterdir()) == [".hydra", "checkpoints", "metrics.json", "tb", "train.log"]
     assert sorted(p.name for p in cwd.iterdir()) == ["data", "outputs"]
+    # train.log holds what the run printed (rank 0's lines and the launcher's summary), time-stamped.
+    logged = [line.split("] ", 1)[1] for line in (runs[0] / "train.log").read_text().splitlines()]
+    assert logged == out.stdout.splitlines()
+    assert logged[0].startswith("hybrid: 2 nodes x 2 workers") and logged[-1].startswith("metrics: ")
+    assert sum(line.startswith("step ") for line in logged) == 5
 
 
 @pytest.mark.multiprocess
@@ -82,9 +96,25 @@ def test_tensorboard_has_per_phase_scalars_and_hparams(default_run):
     assert [e.step for e in acc.Scalars("train/loss")] == [10, 20, 30, 40, 50]
     content = acc.PluginTagToContent("hparams")
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
-    assert {"nnodes", "nproc_per_node", "comm", "bucket_mb", "param_bytes", "width", "depth"} <= set(
-        start.session_start_info.hparams)
-    assert start.session_start_info.hparams["comm"].string_value == "hierarchical"
+    hparams = start.session_start_info.hparams
+    assert {"nnodes", "nproc_per_node", "comm", "bucket_mb", "param_bytes", "width", "depth"} <= set(hparams)
+    # Numbers as numbers (nproc_per_node was once the string '2'), names as strings.
+    kinds = {k: v.WhichOneof("kind") for k, v in hparams.items()}
+    numbers = {"nnodes", "nproc_per_node", "world_size", "bucket_mb", "param_bytes", "width", "depth", "batch_size", "lr"}
+    assert {k for k, kind in kinds.items() if kind == "number_value"} == numbers, kinds
+    assert {k for k, kind in kinds.items() if kind != "number_value"} == {k for k, kind in kinds.items()
+                                                                          if kind == "string_value"}
+    assert (hparams["nnodes"].number_value, hparams["nproc_per_node"].number_value) == (2, 2)
+    assert hparams["comm"].string_value == "hierarchical" and hparams["torch_hook"].string_value == "none"
+
+
+@pytest.mark.multiprocess
+def test_tensorboard_names_a_single_run_by_its_comm_and_layout(default_run):
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    cwd, _, _ = default_run
+    (name,) = EventMultiplexer().AddRunsFromDirectory(str(cwd / "outputs" / "runs")).Runs()  # as tensorboard finds it
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_[\d-]+_hierarchical_2x2/tb", name), name
 
 
 BAD = [
@@ -197,10 +227,26 @@ def test_bad_data_files_are_one_line_and_write_nothing(case, tmp_path_factory, m
 
 
 @pytest.mark.multiprocess
-def test_resume_of_a_non_run_or_another_model_is_refused_before_anything_runs(tmp_path):
-    run = tmp_path / "run"
-    first = hybrid_train(*SMALL, "cluster=1x2", f"hydra.run.dir={run}", cwd=tmp_path)
+def test_a_sweeps_runs_are_named_by_their_overrides_in_tensorboard_and_a_resume_of_another_model_is_refused(
+        tmp_path):
+    """One small sweep (two layouts, a path among the overrides) serves both: its runs' names as TensorBoard's own
+    run discovery finds them, and the runs the refused resumes point at."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    sweep = tmp_path / "sweep"
+    first = hybrid_train("-m", *SMALL, "cluster=1x2,2x1", "comm=hierarchical", f"data.root={tmp_path / 'data'}",
+                         f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
+    names = sorted(EventMultiplexer().AddRunsFromDirectory(str(sweep)).Runs())
+    assert [n.split("_")[0] for n in names] == ["00", "01"], names  # in launch order, unique
+    for name in names:
+        job, tb = name.split("/")  # the path in data.root did not nest directories
+        metrics = json.loads((sweep / job / "metrics.json").read_text())
+        assert tb == "tb" and "comm:hierarchical" in job and metrics["comm"] == "hierarchical"
+        assert f"cluster:{metrics['nnodes']}x{metrics['nproc_per_node']}" in job, (name, metrics["nnodes"])
+        assert f"data.root:{str(tmp_path / 'data').replace('/', '_')}" in job
+    assert {json.loads((sweep / n.split("/")[0] / "metrics.json").read_text())["nnodes"] for n in names} == {1, 2}
+    run = sweep / names[0].split("/")[0]  # passed below as trainer.resume=<it>, unquoted
     (tmp_path / "plain").mkdir()
     for args, needle in (
         (["trainer.resume=" + str(tmp_path / "plain")], "has no checkpoints/last.pt (not a finished or checkpointed"),

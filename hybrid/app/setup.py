@@ -19,9 +19,11 @@ from torch.utils.data import Dataset, default_collate
 
 from hybrid.app.components.data import BatchStream
 from hybrid.app.components.losses import LossFn, move_to
+from hybrid.app.components.models import param_bytes
 from hybrid.app.components.optim import build_optimizer, build_scheduler
 from hybrid.app.config import COMM_ALGORITHMS, DataConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
 from hybrid.app.observability.metrics import Metrics
+from hybrid.app.observability.run_log import describe_run
 from hybrid.app.replicas.rank import SHARDED_STATE_KIND, PlainState, StateAccess
 from hybrid.app.state import error_feedback
 from hybrid.app.state.checkpoint import checkpoint_steps, load_checkpoint
@@ -203,6 +205,9 @@ def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_
     state = state or PlainState()
     dataset = load_dataset(cfg.data)
     model, optimizer, scheduler = build_training(cfg.model, cfg.optim, cfg.trainer, device, state)
+    # The run's first line (rank 0's metrics print it): the first point where the gradients' size is known.
+    metrics.status(describe_run(node_sizes, cfg.comm.algorithm, cfg.model.label, cfg.model.args, param_bytes(model),
+                                run_path, thread_mode=cfg.cluster.intra_mode == "thread"))
     loss_fn = build_loss(cfg.loss)
     streams = [BatchStream(dataset, cfg.data.batch_size, rank, world_size, cfg.trainer.seed,
                            pin_memory=device.type == "cuda", num_workers=cfg.data.num_workers)

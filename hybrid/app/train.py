@@ -6,6 +6,12 @@ every rank runs this app and the layout comes from torchrun; under
 ``-m hydra/launcher=slurm`` each submitit task runs one node (hybrid.runtime.slurm). Before Hydra
 starts, :func:`main` composes the config once to turn bad input into a
 one-line error (exit 2) and refuses to reuse an earlier run's directory.
+
+Run directories are named by comm and layout (a single run) or by the job's
+overrides (a sweep): :mod:`hybrid.app.observability.run_names`, whose
+resolvers importing this module registers. The run's lines (rank 0's, and the
+summary printed here) are also kept in its ``train.log``
+(:mod:`hybrid.app.observability.run_log`).
 """
 
 from __future__ import annotations
@@ -21,12 +27,16 @@ from omegaconf import DictConfig
 
 from hybrid.app.checks import check_run_dir, check_torchrun_layout, precheck, prepare, settings_of, torchrun_restart, under_torchrun
 from hybrid.app.config import CONF_PACKAGE, ClusterConfig, TrainConfig
+from hybrid.app.observability.run_log import say
+from hybrid.app.observability.run_names import register_resolvers
 from hybrid.app.worker import run_worker
 from hybrid.runtime.launch import launch_local, start_agent_server
 from hybrid.runtime.slurm import SlurmNode, in_submitit_task
 from hybrid.runtime.testbed import LinkShape, Testbed
 
 __all__ = ["launch_job", "main", "train"]
+
+register_resolvers()  # before Hydra resolves hydra.run.dir / hydra.sweep.subdir, which name runs with them
 
 
 def launch_job(settings: TrainConfig, entrypoint: Any, args: tuple) -> list[Any]:
@@ -53,6 +63,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     settings = settings_of(cfg)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
+    result = _run(settings, hydra_cfg, run_dir)
+    if result is not None:
+        tb = run_dir / "tb"
+        say(run_dir, f"TensorBoard logs: {tb}  (tensorboard --logdir {tb})", f"metrics: {run_dir / 'metrics.json'}")
+    return result or {}
+
+
+def _run(settings: TrainConfig, hydra_cfg: Any, run_dir: Path) -> dict[str, Any] | None:
+    """This process's part of the job: a torchrun rank, a Slurm task's node, or the whole local launch;
+    rank 0's result (None elsewhere)."""
     if under_torchrun():
         check_torchrun_layout(settings, list(hydra_cfg.overrides.task))
         if os.environ.get("RANK") == "0" and not torchrun_restart():
@@ -74,10 +94,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             start_agent_server(run_worker)
         prepare(settings)
         result = launch_job(settings, run_worker, (settings, str(run_dir)))[0]
-    if result is not None:
-        print(f"TensorBoard logs: {run_dir / 'tb'}  (tensorboard --logdir {run_dir / 'tb'})")
-        print(f"metrics: {run_dir / 'metrics.json'}")
-    return result or {}
+    return result
 
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONF_PACKAGE}", config_name="config")

@@ -84,7 +84,7 @@ def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
         )
         torch.set_num_threads(threads)
         if env.rank == 0:
-            metrics = TensorBoardMetrics(run_path / "tb")
+            metrics = TensorBoardMetrics(run_path / "tb", run_path)  # its status lines also go to train.log
         return train_worker(cfg, topology, device, run_path, metrics, env.rank)
     except Exception as exc:
         # Said at once: the agent reports the first worker it sees exit, and a peer that finds this rank's

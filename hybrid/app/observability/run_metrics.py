@@ -24,7 +24,7 @@ from torch import nn
 
 from hybrid.app.components.models import param_bytes
 from hybrid.app.config import TrainConfig
-from hybrid.app.observability.metrics import Metrics, write_json_atomic
+from hybrid.app.observability.metrics import Metrics, hparam_value, write_json_atomic
 from hybrid.app.observability.step_accounts import StepAccounts
 from hybrid.app.observability.timeline_file import TimelineFile
 from hybrid.app.replicas.rank import param_checksum
@@ -103,7 +103,9 @@ class MetricsProcessor:
             counters.recorder = StepRecorder(PHASES)
         self.recorder: StepRecorder = counters.recorder
         t = cfg.trainer
-        self.accounts = StepAccounts(topology, metrics, t.straggler_margin, t.straggler_steps)
+        # Collective (the hosts' names): every process builds its processor at the same point.
+        self.accounts = StepAccounts(topology, metrics, t.straggler_margin, t.straggler_steps,
+                                     _cpu_limits(cfg, topology.nnodes))
         # Collective (the clock alignment): every process builds its processor at the same point.
         self.timeline = (TimelineFile(self.recorder, t.timeline_window, topology, run_path, metrics,
                                       {"comm": cfg.comm.algorithm, "nnodes": topology.nnodes,
@@ -235,7 +237,8 @@ class MetricsProcessor:
     def _log_hparams(self, result: dict[str, Any]) -> None:
         cfg = self.cfg
         self.metrics.hparams(
-            {"nnodes": result["nnodes"], "nproc_per_node": str(result["nproc_per_node"]),
+            # A uniform layout's nproc_per_node is a number like nnodes; a mixed one its list, as text.
+            {"nnodes": result["nnodes"], "nproc_per_node": result["nproc_per_node"],
              "world_size": result["world_size"], "comm": result["comm"], "intra_mode": cfg.cluster.intra_mode,
              "bucket_mb": cfg.comm.bucket_mb,
              "inter_compression": cfg.comm.inter_compression, "torch_hook": cfg.comm.torch_hook,
@@ -248,6 +251,20 @@ class MetricsProcessor:
         )
 
 
+def _cpu_limits(cfg: TrainConfig, nnodes: int) -> list[float] | None:
+    """Per node, the CPUs the testbed gives it (``cluster.testbed.cpu_quota``), or None: no limits. None also
+    where the list no longer matches the nodes (an elastic run that lost one: which limit is whose is unknown)."""
+    testbed = cfg.cluster.testbed
+    if not testbed.enabled:
+        return None
+    try:
+        return testbed.cpus(nnodes)
+    except ValueError:
+        return None
+
+
 def _number(value: Any) -> float:
-    """An hparam every run of a sweep logs (a model without ``width`` logs NaN, so the HParams view keeps it)."""
+    """An hparam every run of a sweep logs as a number (a model without ``width`` logs NaN, so the HParams view
+    keeps it); a number given as a string (``'0.1'``) counts as that number."""
+    value = hparam_value(value)
     return float(value) if isinstance(value, (int, float)) else float("nan")
