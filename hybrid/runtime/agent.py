@@ -52,14 +52,15 @@ def name_process(name: str) -> None:
         pass  # not Linux: the command line will have to do
 
 
-def _rank_and_result(entrypoint: Any, *args: Any) -> tuple[int, Any]:
+def _rank_and_result(entrypoint: Any, *args: Any) -> tuple[int, int, Any]:
+    """The worker's global rank, the number of nodes in its membership, and what the entry point returned."""
     # A forked worker inherits the agent's signal handlers (torch's agent turns SIGTERM, SIGINT, SIGHUP and
     # SIGQUIT into exceptions so that it can stop its workers): give it what a fresh interpreter has.
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     name_process(f"hybrid-rank-{os.environ['RANK']}")
-    return int(os.environ["RANK"]), entrypoint(*args)
+    return int(os.environ["RANK"]), int(os.environ["GROUP_WORLD_SIZE"]), entrypoint(*args)
 
 
 def _store_on_node_address(endpoint: str, timeout_s: float) -> tuple[socket.socket, Any]:
@@ -134,8 +135,40 @@ def run_node(
         local_addr=local_addr,
     )
     per_local_rank = elastic_launch(config, _rank_and_result)(entrypoint, *args)
+    if bind_store:
+        nodes_at_end = min(nodes for _, nodes, _ in per_local_rank.values())
+        _leave_together(server[1] if server else None, rdzv_endpoint, run_id, nodes_at_end)
     del server
-    return dict(per_local_rank.values())
+    return {rank: result for rank, _, result in per_local_rank.values()}
+
+
+LEAVE_TIMEOUT_S = 10.0
+
+
+def _leave_together(host_store: Any, endpoint: str, run_id: str, nodes: int) -> None:
+    """Keep node 0's rendezvous store up until every other agent has closed its rendezvous.
+
+    After the workers succeed, each agent passes torch's exit barrier and then closes the rendezvous, which
+    writes to the store node 0's agent hosts. Node 0 used to drop the store as soon as its own close was done,
+    so a later agent's close failed with a connection error and a C++ stack trace ("has failed to shutdown
+    the rendezvous"). Now each other agent counts itself out in the store once closed, and node 0 waits for
+    the ``nodes - 1`` of its final membership (at most :data:`LEAVE_TIMEOUT_S`)."""
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    key = f"hybrid/{run_id}/agents_left"
+    if host_store is not None:
+        deadline = time.monotonic() + LEAVE_TIMEOUT_S
+        while host_store.add(key, 0) < nodes - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=LEAVE_TIMEOUT_S)).add(key, 1)
+    except (RuntimeError, OSError):
+        pass  # node 0 has gone already (it waited its limit): nothing is left to close
 
 
 def run_forked_agent(job_dir: str, node: int, env: dict[str, str]) -> None:
