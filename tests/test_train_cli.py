@@ -138,6 +138,10 @@ BAD = [
     (["trainer.max_step=5"], "trainer.max_step: Key 'max_step' not in 'TrainerConfig'; did you mean trainer.max_steps?"),
     (["trainr.max_steps=5"], "did you mean trainer?"),
     (["cluster.testbed.link_mbits=100"], "did you mean cluster.testbed.link_mbit?"),
+    (["model.widht=512"], "model.widht: Key 'widht' is not in struct; did you mean model.width?"),
+    (["data.batch_sise=8"], "data.batch_sise: Key 'batch_sise' is not in struct; did you mean data.batch_size?"),
+    (["optim.lrr=0.1"], "did you mean optim.lr?"),
+    (["model.zzz=1"], "model.zzz: Key 'zzz' is not in struct; to pass a new argument, +model.zzz=..."),
     (["trainer.device=cuda"], "trainer.device='cuda' but torch.cuda.is_available() is False"),
     (["trainer.resume=true"], "trainer.resume=true continues the run in hydra.run.dir"),
     (["trainer.resume=/no/such/run"], "'/no/such/run' does not exist or is not a directory"),
@@ -269,6 +273,16 @@ def test_help_lists_the_config_groups(tmp_path):
                  "model: cnn, gpt2, mlp, transformer", "data: files, synthetic, text", "optim: adamw, sgd", "trainer: default",
                  "experiment: auto_vs_fixed, flat_vs_hier, flat_vs_hier_small"):
         assert line in out.stdout
+    # It opens with what hybrid is, not Hydra's stock header, and says where the docs are.
+    assert out.stdout.startswith("hybrid: data-parallel PyTorch training"), out.stdout[:200]
+    assert "powered by Hydra" not in out.stdout and "docs/training.md" in out.stdout
+    # Every config group it lists is explained above the listing, the ones to pick first in order.
+    intro = out.stdout.split("== All config groups ==")[0]
+    groups = sorted(d.name for d in (Path(__file__).parents[1] / "conf").iterdir() if d.is_dir() and d.name != "hydra")
+    assert all(re.search(rf"\b{group}\b", intro) for group in groups), groups
+    first = [line.split()[0] for line in intro.split("(GROUP=OPTION):")[1].splitlines()[1:] if line.startswith("  ")
+             and not line.startswith("   ")]
+    assert first == ["cluster", "comm", "model", "data", "optim", "trainer"], first
 
 
 @pytest.mark.unit
