@@ -250,6 +250,14 @@ def test_a_sweeps_runs_are_named_by_their_overrides_in_tensorboard_and_a_resume_
         assert f"cluster:{metrics['nnodes']}x{metrics['nproc_per_node']}" in job, (name, metrics["nnodes"])
         assert f"data.root:{str(tmp_path / 'data').replace('/', '_')}" in job
     assert {json.loads((sweep / n.split("/")[0] / "metrics.json").read_text())["nnodes"] for n in names} == {1, 2}
+    # The report reads these real runs: a headline per shape, and no inf or nan anywhere in it.
+    from hybrid.tools.report import main as report
+
+    assert report([str(sweep)]) == 0
+    text = (sweep / "report.md").read_text()
+    headlines = [line for line in text.splitlines() if line.startswith("- **")]
+    assert [h.split(",")[0] for h in headlines] == ["- **1x2", "- **2x1"], headlines
+    assert not re.search(r"\b(inf|nan)\b", text, re.IGNORECASE), text
     run = sweep / names[0].split("/")[0]  # passed below as trainer.resume=<it>, unquoted
     (tmp_path / "plain").mkdir()
     for args, needle in (

@@ -135,17 +135,15 @@ def run_node(
         local_addr=local_addr,
     )
     per_local_rank = elastic_launch(config, _rank_and_result)(entrypoint, *args)
-    if bind_store:
-        nodes_at_end = min(nodes for _, nodes, _ in per_local_rank.values())
-        _leave_together(server[1] if server else None, rdzv_endpoint, run_id, nodes_at_end)
-    del server
+    if bind_store:  # the server is dropped only after this, when run_node returns
+        _leave_together(server, rdzv_endpoint, run_id, min(nodes for _, nodes, _ in per_local_rank.values()))
     return {rank: result for rank, _, result in per_local_rank.values()}
 
 
 LEAVE_TIMEOUT_S = 10.0
 
 
-def _leave_together(host_store: Any, endpoint: str, run_id: str, nodes: int) -> None:
+def _leave_together(server: tuple[socket.socket, Any] | None, endpoint: str, run_id: str, nodes: int) -> None:
     """Keep node 0's rendezvous store up until every other agent has closed its rendezvous.
 
     After the workers succeed, each agent passes torch's exit barrier and then closes the rendezvous, which
@@ -159,7 +157,8 @@ def _leave_together(host_store: Any, endpoint: str, run_id: str, nodes: int) -> 
     from torch.distributed import TCPStore
 
     key = f"hybrid/{run_id}/agents_left"
-    if host_store is not None:
+    if server is not None:
+        host_store = server[1]
         deadline = time.monotonic() + LEAVE_TIMEOUT_S
         while host_store.add(key, 0) < nodes - 1 and time.monotonic() < deadline:
             time.sleep(0.01)
