@@ -482,3 +482,24 @@ def test_a_users_own_model_data_and_loss_match_plain_ddp_and_resume_bitwise():
     assert compressed["param_checksums_identical"] and compressed["inter_compression"] == "bf16"
     gap = max((model_state(root / "mine-sharded+bf16")[k] - v).abs().max().item() for k, v in reference.items())
     assert 0 < gap < 5e-3, gap
+
+
+@pytest.mark.unit
+def test_a_sweep_job_is_named_by_the_keys_its_sweep_varies(tmp_path):
+    """From the sweep's multirun.yaml as Hydra writes it: command-line sweeps and the config's sweeper params
+    with several values name the job; overrides every job shares do not; a path stays one directory."""
+    from omegaconf import OmegaConf
+
+    from hybrid.app.observability.run_names import sweep_job_name, swept_keys
+
+    OmegaConf.save({"hydra": {"overrides": {"task": ["cluster=2x2,2x4", "+peer=ddp,hsdp", "data.root=/a/b",
+                                                     "cluster.testbed.enabled=true"]},
+                              "sweeper": {"params": {"comm": "flat,hierarchical", "model.width": 1024}}}},
+                   tmp_path / "multirun.yaml")
+    assert swept_keys(tmp_path / "multirun.yaml") == {"cluster", "peer", "comm"}
+    job = ["cluster=2x4", "+peer=hsdp", "data.root=/a/b", "cluster.testbed.enabled=true", "comm=flat",
+           "model.width=1024"]
+    assert sweep_job_name(3, job, str(tmp_path)) == "03_cluster:2x4+peer:hsdp+comm:flat"
+    # Without a readable multirun.yaml every override but +experiment names it, a '/' made '_'.
+    assert sweep_job_name(12, ["data.root=/a/b", "experiment=x", "cluster=2x2"], str(tmp_path / "none")) == \
+        "12_data.root:_a_b+cluster:2x2"
