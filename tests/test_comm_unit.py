@@ -1,5 +1,6 @@
 """Single-process parts of the communicators: the averaging division, which groups each one needs."""
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -181,3 +182,16 @@ def test_gloo_groups_made_for_cross_group_j_start_on_nic_j_mod_k(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")  # one NIC: nothing to rotate
     with gloo_nics_starting_at(1):
         assert os.environ["GLOO_SOCKET_IFNAME"] == "eth0"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kwargs, message", [
+    ({"sync_every": 0}, "sync_every=0 must be an integer >= 1"),
+    ({"sync_every": 2.5}, "sync_every=2.5 must be an integer >= 1"),
+    ({"sync_every": 8, "inter": "flat"}, "inter='flat' is not one of hierarchical, sharded"),
+])
+def test_diloco_outer_sync_refuses_bad_settings_in_one_line(kwargs, message):
+    from hybrid.core.diloco import OuterSync
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        OuterSync([torch.zeros(3)], None, **kwargs)  # refused before the groups are looked at

@@ -521,12 +521,74 @@ def case_profiler(topo: Topology, groups: CommGroups, params: dict) -> dict[str,
     return names
 
 
+def _diloco_run(topo: Topology, groups: CommGroups, steps: int, sync_every: int, inter: str | None,
+                outer: Any = None, momentum: float = 0.0, stop_at: int = 0) -> dict[str, Any]:
+    """Train a small MLP ``steps`` inner steps on this rank's own batches: gradients averaged inside the node
+    every step, and OuterSync across nodes every ``sync_every`` (``inter`` None: plain data parallel, gradients
+    averaged over every rank, the reference). ``stop_at``: rebuild model, optimizers and OuterSync from their
+    state dicts after that step, as a resume does. Returns the digest of the weights after every step."""
+
+    from hybrid.core.diloco import OuterSync, default_outer_optimizer
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+        sync = None if inter is None else OuterSync(model.parameters(), groups, sync_every=sync_every, inter=inter,
+                                                     outer_optimizer=outer or default_outer_optimizer)
+        return model, inner, sync
+
+    model, inner, sync = build()
+    batches = torch.Generator().manual_seed(1000 + topo.rank)
+    digests, weights = [], None
+    for step in range(1, steps + 1):
+        x, y = torch.randn(8, 16, generator=batches), torch.randint(0, 4, (8,), generator=batches)
+        inner.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            group, size = (groups.intra, topo.local_world_size) if sync else (None, topo.world_size)
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(size)
+        inner.step()
+        if sync:
+            sync.step(step)
+        digests.append(digest(list(model.parameters())))
+        if step == stop_at:
+            saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(inner.state_dict()),
+                     copy.deepcopy(sync.state_dict()) if sync else None)
+            model, inner, sync = build()
+            model.load_state_dict(saved[0])
+            inner.load_state_dict(saved[1])
+            if sync:
+                sync.load_state_dict(saved[2])
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"digests": digests, "weights": weights.tolist(), "syncs": sync.syncs if sync else 0,
+            "bytes_per_sync": sync.bytes_per_sync if sync else 0}
+
+
+def case_diloco(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
+    """DiLoCo's outer loop (hybrid.core.diloco): the algebra's exact case against plain data parallel (H=1, outer
+    SGD lr 1 without momentum, inner SGD), both exchanges; and H=8 with the paper's outer optimizer, straight and
+    resumed after step 13."""
+    import functools
+
+    steps = params.get("steps", 20)
+    exact_outer = functools.partial(torch.optim.SGD, lr=1.0)
+    out = {"reference": _diloco_run(topo, groups, steps, 1, None)}
+    for inter in ("hierarchical", "sharded"):
+        out[f"exact_{inter}"] = _diloco_run(topo, groups, steps, 1, inter, outer=exact_outer)
+        out[f"h8_{inter}"] = _diloco_run(topo, groups, steps, 8, inter, momentum=0.9)
+    out["h8_resumed"] = _diloco_run(topo, groups, steps, 8, "hierarchical", momentum=0.9, stop_at=13)
+    return out
+
+
 CASES: dict[str, Callable[[Topology, CommGroups, dict], Any]] = {
     "auto": case_auto,
     "compression": case_compression,
     "collectives": case_collectives,
     "counters": case_counters,
     "ddp": case_ddp,
+    "diloco": case_diloco,
     "ddp_long": case_ddp,
     "overlap": case_overlap,
     "bad_layout": case_bad_layout,

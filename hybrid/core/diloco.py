@@ -1,0 +1,146 @@
+"""DiLoCo's outer loop across nodes: workers of a node stay in step every step, nodes meet every H steps.
+
+Hierarchical in time (Douillard et al., "DiLoCo", arXiv 2311.08105): each node
+is one DiLoCo worker. Inside it, the gradients are averaged every step over
+the fast intra-node link (the caller's inner loop does that: intra-node
+all-reduce, then its inner optimizer), so the workers of a node hold the same
+weights after every step. Across nodes nothing travels for ``sync_every`` (H)
+inner steps; then every node's *pseudo-gradient* (the global weights of the
+last sync minus the node's weights now) is averaged among the nodes, and an
+outer optimizer (SGD with Nesterov momentum, lr 0.7, momentum 0.9 in the
+paper) moves the global weights by it; every worker then continues from them.
+The slow link carries S bytes per node once every H steps instead of every
+step.
+
+The average travels one of two ways, as hybrid's own algorithms do:
+
+- ``hierarchical``: the node leaders all-reduce the whole pseudo-gradient
+  (they hold their node's, identical on every worker of it), and each leader
+  broadcasts the mean inside its node;
+- ``sharded``: worker j of every node all-reduces the j-th of g shards over
+  its same-local-rank group (all shards side by side, over every worker's
+  link), and the node all-gathers the shards (uniform nodes only).
+
+Both give every rank the same bits (one all-reduce per element, then copies),
+and the outer step is the same deterministic update on every rank, so all
+ranks hold identical weights after each sync. Nodes count equally, as DiLoCo
+weighs its workers; with equal nodes, H = 1, an outer SGD with lr 1 and no
+momentum, and plain SGD inside, this is exactly data-parallel SGD (the
+pseudo-gradient is lr x the node's mean gradient).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from hybrid.core.comm.groups import CommGroups
+
+__all__ = ["INTER_MODES", "OuterSync", "default_outer_optimizer"]
+
+INTER_MODES = ("hierarchical", "sharded")
+
+
+def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The paper's outer optimizer: SGD with Nesterov momentum, lr 0.7, momentum 0.9."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+class OuterSync:
+    """The global weights, the outer optimizer and the exchange among nodes, for one model's parameters.
+
+    ``step(inner_step)`` after every inner optimizer step (1-based count of steps taken): every
+    ``sync_every``-th one syncs. ``outer_optimizer`` builds the outer optimizer from the global weights (a
+    ``torch.optim`` class with its arguments bound, e.g. ``functools.partial(torch.optim.SGD, lr=0.7)``).
+    Collective: every rank of the job constructs it and calls ``step`` with the same counts."""
+
+    def __init__(self, params: Iterable[torch.Tensor], groups: CommGroups, *, sync_every: int,
+                 outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = default_outer_optimizer,
+                 inter: str = "hierarchical") -> None:
+        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+            raise ValueError(f"sync_every={sync_every!r} must be an integer >= 1 (inner steps between syncs)")
+        if inter not in INTER_MODES:
+            raise ValueError(f"inter={inter!r} is not one of {', '.join(INTER_MODES)}")
+        self.params = [p for p in params]
+        if not self.params:
+            raise ValueError("OuterSync needs at least one parameter")
+        topology = groups.topology
+        if groups.intra is None or (topology.is_leader and groups.leaders is None and inter == "hierarchical"):
+            raise ValueError("OuterSync needs the intra and leaders groups (CommGroups.build with those kinds)")
+        if inter == "sharded" and groups.cross is None:
+            raise ValueError("inter=sharded needs uniform nodes and the cross groups (CommGroups kinds 'cross')")
+        self.groups, self.sync_every, self.inter = groups, sync_every, inter
+        # fp32 masters of the global weights, whatever the model's dtype: the outer step runs on them.
+        self.global_params = [p.detach().clone().float() for p in self.params]
+        self.outer = outer_optimizer(self.global_params)
+        self.syncs = 0
+        self.last_pseudo_grad_norm = 0.0
+        self.bytes_per_sync = self._bytes_per_sync()
+
+    def step(self, inner_step: int) -> bool:
+        """Sync if ``inner_step`` (inner optimizer steps taken so far) ends an interval; whether it did."""
+        if inner_step % self.sync_every:
+            return False
+        self.sync()
+        return True
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Average the pseudo-gradients among nodes, take an outer step, continue every worker from its result."""
+        delta = torch.cat([(g - p.detach().float()).reshape(-1) for g, p in zip(self.global_params, self.params)])
+        self._average_among_nodes(delta)
+        self.last_pseudo_grad_norm = float(delta.norm())
+        offset = 0
+        for g in self.global_params:
+            g.grad = delta[offset:offset + g.numel()].view_as(g)
+            offset += g.numel()
+        self.outer.step()
+        for p, g in zip(self.params, self.global_params):
+            p.copy_(g)
+            g.grad = None
+        self.syncs += 1
+
+    def _average_among_nodes(self, delta: torch.Tensor) -> None:
+        topology = self.groups.topology
+        if topology.nnodes == 1:
+            return
+        if self.inter == "hierarchical":
+            if topology.is_leader:
+                dist.all_reduce(delta, group=self.groups.leaders)
+                delta.div_(topology.nnodes)
+            dist.broadcast(delta, src=topology.leader, group=self.groups.intra)
+            return
+        g = topology.local_world_size
+        size = -(-delta.numel() // g)  # the shard length, the last one padded
+        padded = torch.zeros(size * g, dtype=delta.dtype)
+        padded[:delta.numel()] = delta
+        shards = list(padded.split(size))
+        mine = shards[topology.local_rank].clone()
+        dist.all_reduce(mine, group=self.groups.cross)
+        mine.div_(topology.nnodes)
+        dist.all_gather(shards, mine, group=self.groups.intra)
+        delta.copy_(torch.cat(shards)[:delta.numel()])
+
+    def _bytes_per_sync(self) -> int:
+        """Bytes each node puts on its inter-node link per sync (a ring all-reduce sends 2(n-1)/n of its input)."""
+        n = self.groups.topology.nnodes
+        total = sum(g.numel() for g in self.global_params) * 4
+        return 0 if n == 1 else int(2 * (n - 1) / n * total)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to resume bitwise anywhere inside an interval."""
+        return {"global_params": [g.clone() for g in self.global_params], "outer": self.outer.state_dict(),
+                "syncs": self.syncs, "sync_every": self.sync_every}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["sync_every"] != self.sync_every:
+            raise ValueError(f"the checkpoint synced every {state['sync_every']} steps, this run every "
+                             f"{self.sync_every}: resume with the same sync_every")
+        with torch.no_grad():
+            for g, saved in zip(self.global_params, state["global_params"], strict=True):
+                g.copy_(saved)
+        self.outer.load_state_dict(state["outer"])
+        self.syncs = int(state["syncs"])
+
