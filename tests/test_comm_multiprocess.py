@@ -225,6 +225,15 @@ def test_diloco_outer_loop_is_data_parallel_in_its_exact_case_and_keeps_nodes_in
             everyone = len({run["digests"][step] for run in runs}) == 1
             assert same_node, (inter, step + 1)
             assert everyone == ((step + 1) % 8 == 0), (inter, step + 1)
+    # Streaming, two fragments (the first layer; the rest), H=8: fragment 0 syncs at steps 4, 12, 20 and fragment 1
+    # at 8, 16, each identical on every rank just then, and each node's workers identical throughout.
+    runs = [r["diloco"]["h8_streaming"] for r in by_rank]
+    assert all(run["syncs"] == 5 for run in runs)
+    for step in range(20):
+        for fragment, due in ((0, {4, 12, 20}), (1, {8, 16})):
+            digests = [run["digests"][step][fragment] for run in runs]
+            assert digests[0] == digests[1] and digests[2] == digests[3], (fragment, step + 1)
+            assert (len(set(digests)) == 1) == (step + 1 in due), (fragment, step + 1)
     straight = [r["diloco"]["h8_hierarchical"]["digests"] for r in by_rank]
     assert [r["diloco"]["h8_resumed"]["digests"] for r in by_rank] == straight
     # The leaders' ring of 2 nodes sends the whole fp32 pseudo-gradient once per sync: (16*32+32+32*4+4) x 4 bytes.

@@ -189,9 +189,12 @@ def test_gloo_groups_made_for_cross_group_j_start_on_nic_j_mod_k(monkeypatch):
     ({"sync_every": 0}, "sync_every=0 must be an integer >= 1"),
     ({"sync_every": 2.5}, "sync_every=2.5 must be an integer >= 1"),
     ({"sync_every": 8, "inter": "flat"}, "inter='flat' is not one of hierarchical, sharded"),
+    ({"sync_every": 8, "fragments": 3}, "fragments=3 must be an integer in 1..3 (the parameter tensors) that divides "
+                                        "sync_every=8"),
+    ({"sync_every": 8, "fragments": 4}, "fragments=4 must be an integer in 1..3"),
 ])
 def test_diloco_outer_sync_refuses_bad_settings_in_one_line(kwargs, message):
     from hybrid.core.diloco import OuterSync
 
     with pytest.raises(ValueError, match=re.escape(message)):
-        OuterSync([torch.zeros(3)], None, **kwargs)  # refused before the groups are looked at
+        OuterSync([torch.zeros(3)] * 3, None, **kwargs)  # refused before the groups are looked at

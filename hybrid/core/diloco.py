@@ -12,6 +12,11 @@ paper) moves the global weights by it; every worker then continues from them.
 The slow link carries S bytes per node once every H steps instead of every
 step.
 
+Streaming (Douillard et al., "Streaming DiLoCo", arXiv 2501.18512): with ``fragments`` F the parameters
+are cut into F fragments of about equal size (whole tensors, in order), each synced every H steps but at
+staggered steps, fragment f at the steps s with s = (f + 1) H / F (mod H): the same bytes per H steps, a
+1/F share of them at a time.
+
 The average travels one of two ways, as hybrid's own algorithms do:
 
 - ``hierarchical``: the node leaders all-reduce the whole pseudo-gradient
@@ -58,7 +63,7 @@ class OuterSync:
 
     def __init__(self, params: Iterable[torch.Tensor], groups: CommGroups, *, sync_every: int,
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = default_outer_optimizer,
-                 inter: str = "hierarchical") -> None:
+                 inter: str = "hierarchical", fragments: int = 1) -> None:
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} must be an integer >= 1 (inner steps between syncs)")
         if inter not in INTER_MODES:
@@ -66,6 +71,10 @@ class OuterSync:
         self.params = [p for p in params]
         if not self.params:
             raise ValueError("OuterSync needs at least one parameter")
+        if not isinstance(fragments, int) or isinstance(fragments, bool) or not 1 <= fragments <= len(self.params) \
+                or sync_every % fragments:
+            raise ValueError(f"fragments={fragments!r} must be an integer in 1..{len(self.params)} (the parameter "
+                             f"tensors) that divides sync_every={sync_every}")
         topology = groups.topology
         if groups.intra is None or (topology.is_leader and groups.leaders is None and inter == "hierarchical"):
             raise ValueError("OuterSync needs the intra and leaders groups (CommGroups.build with those kinds)")
@@ -75,29 +84,37 @@ class OuterSync:
         # fp32 masters of the global weights, whatever the model's dtype: the outer step runs on them.
         self.global_params = [p.detach().clone().float() for p in self.params]
         self.outer = outer_optimizer(self.global_params)
+        self.fragments = _fragments([p.numel() for p in self.params], fragments)
         self.syncs = 0
         self.last_pseudo_grad_norm = 0.0
         self.bytes_per_sync = self._bytes_per_sync()
 
     def step(self, inner_step: int) -> bool:
-        """Sync if ``inner_step`` (inner optimizer steps taken so far) ends an interval; whether it did."""
-        if inner_step % self.sync_every:
-            return False
-        self.sync()
-        return True
+        """Sync the fragments whose turn ``inner_step`` (inner optimizer steps taken so far) is; whether any did."""
+        due = [f for f in range(len(self.fragments)) if inner_step % self.sync_every == self.offset(f)]
+        for f in due:
+            self.sync(f)
+        return bool(due)
+
+    def offset(self, fragment: int) -> int:
+        """Where in each interval ``fragment`` syncs: (f + 1) H / F mod H (the last fragment at H, i.e. 0)."""
+        return (fragment + 1) * self.sync_every // len(self.fragments) % self.sync_every
 
     @torch.no_grad()
-    def sync(self) -> None:
-        """Average the pseudo-gradients among nodes, take an outer step, continue every worker from its result."""
-        delta = torch.cat([(g - p.detach().float()).reshape(-1) for g, p in zip(self.global_params, self.params)])
+    def sync(self, fragment: int = 0) -> None:
+        """Average one fragment's pseudo-gradient among nodes, take an outer step on it, continue every worker
+        from its result (with one fragment: all the parameters)."""
+        chosen = self.fragments[fragment]
+        pairs = [(self.global_params[i], self.params[i]) for i in chosen]
+        delta = torch.cat([(g - p.detach().float()).reshape(-1) for g, p in pairs])
         self._average_among_nodes(delta)
         self.last_pseudo_grad_norm = float(delta.norm())
         offset = 0
-        for g in self.global_params:
+        for g, _ in pairs:
             g.grad = delta[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
-        self.outer.step()
-        for p, g in zip(self.params, self.global_params):
+        self.outer.step()  # torch's optimizers skip parameters without a gradient: the other fragments
+        for g, p in pairs:
             p.copy_(g)
             g.grad = None
         self.syncs += 1
@@ -124,7 +141,8 @@ class OuterSync:
         delta.copy_(torch.cat(shards)[:delta.numel()])
 
     def _bytes_per_sync(self) -> int:
-        """Bytes each node puts on its inter-node link per sync (a ring all-reduce sends 2(n-1)/n of its input)."""
+        """Bytes each node puts on its inter-node link per interval of H steps, all fragments together (a ring
+        all-reduce sends 2(n-1)/n of its input)."""
         n = self.groups.topology.nnodes
         total = sum(g.numel() for g in self.global_params) * 4
         return 0 if n == 1 else int(2 * (n - 1) / n * total)
@@ -132,15 +150,33 @@ class OuterSync:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume bitwise anywhere inside an interval."""
         return {"global_params": [g.clone() for g in self.global_params], "outer": self.outer.state_dict(),
-                "syncs": self.syncs, "sync_every": self.sync_every}
+                "syncs": self.syncs, "sync_every": self.sync_every, "fragments": len(self.fragments)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["sync_every"] != self.sync_every:
-            raise ValueError(f"the checkpoint synced every {state['sync_every']} steps, this run every "
-                             f"{self.sync_every}: resume with the same sync_every")
+        saved = (state["sync_every"], state.get("fragments", 1))
+        if saved != (self.sync_every, len(self.fragments)):
+            raise ValueError(f"the checkpoint synced every {saved[0]} steps in {saved[1]} fragment(s), this run "
+                             f"every {self.sync_every} in {len(self.fragments)}: resume with the same schedule")
         with torch.no_grad():
             for g, saved in zip(self.global_params, state["global_params"], strict=True):
                 g.copy_(saved)
         self.outer.load_state_dict(state["outer"])
         self.syncs = int(state["syncs"])
 
+
+
+def _fragments(sizes: list[int], count: int) -> list[list[int]]:
+    """``count`` runs of consecutive tensor indices of about equal total size, none empty (greedy: a run closes
+    once it reaches its share of what is left)."""
+    runs: list[list[int]] = []
+    start, left = 0, sum(sizes)
+    for k in range(count, 0, -1):
+        share, run, total = left / k, [], 0
+        while start < len(sizes) and (not run or (total < share and len(sizes) - start > k - 1)):
+            run.append(start)
+            total += sizes[start]
+            start += 1
+        runs.append(run)
+        left -= total
+    runs[-1].extend(range(start, len(sizes)))
+    return runs

@@ -522,7 +522,7 @@ def case_profiler(topo: Topology, groups: CommGroups, params: dict) -> dict[str,
 
 
 def _diloco_run(topo: Topology, groups: CommGroups, steps: int, sync_every: int, inter: str | None,
-                outer: Any = None, momentum: float = 0.0, stop_at: int = 0) -> dict[str, Any]:
+                outer: Any = None, momentum: float = 0.0, stop_at: int = 0, fragments: int = 1) -> dict[str, Any]:
     """Train a small MLP ``steps`` inner steps on this rank's own batches: gradients averaged inside the node
     every step, and OuterSync across nodes every ``sync_every`` (``inter`` None: plain data parallel, gradients
     averaged over every rank, the reference). ``stop_at``: rebuild model, optimizers and OuterSync from their
@@ -535,7 +535,8 @@ def _diloco_run(topo: Topology, groups: CommGroups, steps: int, sync_every: int,
         model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
         inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
         sync = None if inter is None else OuterSync(model.parameters(), groups, sync_every=sync_every, inter=inter,
-                                                     outer_optimizer=outer or default_outer_optimizer)
+                                                     outer_optimizer=outer or default_outer_optimizer,
+                                                     fragments=fragments)
         return model, inner, sync
 
     model, inner, sync = build()
@@ -552,7 +553,9 @@ def _diloco_run(topo: Topology, groups: CommGroups, steps: int, sync_every: int,
         inner.step()
         if sync:
             sync.step(step)
-        digests.append(digest(list(model.parameters())))
+        params = list(model.parameters())
+        digests.append([digest([params[i] for i in run]) for run in sync.fragments] if sync and fragments > 1
+                       else digest(params))
         if step == stop_at:
             saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(inner.state_dict()),
                      copy.deepcopy(sync.state_dict()) if sync else None)
@@ -579,6 +582,7 @@ def case_diloco(topo: Topology, groups: CommGroups, params: dict) -> dict[str, A
         out[f"exact_{inter}"] = _diloco_run(topo, groups, steps, 1, inter, outer=exact_outer)
         out[f"h8_{inter}"] = _diloco_run(topo, groups, steps, 8, inter, momentum=0.9)
     out["h8_resumed"] = _diloco_run(topo, groups, steps, 8, "hierarchical", momentum=0.9, stop_at=13)
+    out["h8_streaming"] = _diloco_run(topo, groups, steps, 8, "sharded", momentum=0.9, fragments=2)
     return out
 
 
