@@ -26,6 +26,10 @@ The average travels one of two ways, as hybrid's own algorithms do:
   its same-local-rank group (all shards side by side, over every worker's
   link), and the node all-gathers the shards (uniform nodes only).
 
+With ``compression`` (``bf16``, ``fp16``, or ``fp8``: e4m3 with a scale per block,
+:mod:`hybrid.core.pseudo_grad_codec`) the nodes' parts are all-gathered encoded instead of all-reduced, and
+every rank sums the decoded parts in fp32.
+
 Both give every rank the same bits (one all-reduce per element, then copies),
 and the outer step is the same deterministic update on every rank, so all
 ranks hold identical weights after each sync. Nodes count equally, as DiLoCo
@@ -42,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.core.comm.groups import CommGroups
+from hybrid.core.pseudo_grad_codec import CODECS, average_encoded, wire_bytes
 
 __all__ = ["INTER_MODES", "OuterSync", "default_outer_optimizer"]
 
@@ -63,11 +68,13 @@ class OuterSync:
 
     def __init__(self, params: Iterable[torch.Tensor], groups: CommGroups, *, sync_every: int,
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = default_outer_optimizer,
-                 inter: str = "hierarchical", fragments: int = 1) -> None:
+                 inter: str = "hierarchical", fragments: int = 1, compression: str = "none") -> None:
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} must be an integer >= 1 (inner steps between syncs)")
         if inter not in INTER_MODES:
             raise ValueError(f"inter={inter!r} is not one of {', '.join(INTER_MODES)}")
+        if compression not in CODECS:
+            raise ValueError(f"compression={compression!r} is not one of {', '.join(CODECS)}")
         self.params = [p for p in params]
         if not self.params:
             raise ValueError("OuterSync needs at least one parameter")
@@ -80,7 +87,7 @@ class OuterSync:
             raise ValueError("OuterSync needs the intra and leaders groups (CommGroups.build with those kinds)")
         if inter == "sharded" and groups.cross is None:
             raise ValueError("inter=sharded needs uniform nodes and the cross groups (CommGroups kinds 'cross')")
-        self.groups, self.sync_every, self.inter = groups, sync_every, inter
+        self.groups, self.sync_every, self.inter, self.compression = groups, sync_every, inter, compression
         # fp32 masters of the global weights, whatever the model's dtype: the outer step runs on them.
         self.global_params = [p.detach().clone().float() for p in self.params]
         self.outer = outer_optimizer(self.global_params)
@@ -125,8 +132,7 @@ class OuterSync:
             return
         if self.inter == "hierarchical":
             if topology.is_leader:
-                dist.all_reduce(delta, group=self.groups.leaders)
-                delta.div_(topology.nnodes)
+                self._average(delta, self.groups.leaders)
             dist.broadcast(delta, src=topology.leader, group=self.groups.intra)
             return
         g = topology.local_world_size
@@ -135,17 +141,29 @@ class OuterSync:
         padded[:delta.numel()] = delta
         shards = list(padded.split(size))
         mine = shards[topology.local_rank].clone()
-        dist.all_reduce(mine, group=self.groups.cross)
-        mine.div_(topology.nnodes)
+        self._average(mine, self.groups.cross)
         dist.all_gather(shards, mine, group=self.groups.intra)
         delta.copy_(torch.cat(shards)[:delta.numel()])
 
+    def _average(self, values: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """The mean of ``values`` over ``group``, one rank per node: all-reduced, or all-gathered encoded."""
+        nnodes = self.groups.topology.nnodes
+        if self.compression == "none":
+            dist.all_reduce(values, group=group)
+            values.div_(nnodes)
+        else:
+            average_encoded(values, self.compression, group, nnodes)
+
     def _bytes_per_sync(self) -> int:
         """Bytes each node puts on its inter-node link per interval of H steps, all fragments together (a ring
-        all-reduce sends 2(n-1)/n of its input)."""
+        all-reduce sends 2(n-1)/n of its input; a ring all-gather (n-1) parts)."""
         n = self.groups.topology.nnodes
-        total = sum(g.numel() for g in self.global_params) * 4
-        return 0 if n == 1 else int(2 * (n - 1) / n * total)
+        numel = sum(g.numel() for g in self.global_params)
+        if n == 1:
+            return 0
+        if self.compression == "none":
+            return int(2 * (n - 1) / n * numel * 4)
+        return (n - 1) * wire_bytes(numel, self.compression)  # an all-gather: its part to each other node
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume bitwise anywhere inside an interval."""

@@ -522,7 +522,8 @@ def case_profiler(topo: Topology, groups: CommGroups, params: dict) -> dict[str,
 
 
 def _diloco_run(topo: Topology, groups: CommGroups, steps: int, sync_every: int, inter: str | None,
-                outer: Any = None, momentum: float = 0.0, stop_at: int = 0, fragments: int = 1) -> dict[str, Any]:
+                outer: Any = None, momentum: float = 0.0, stop_at: int = 0, fragments: int = 1,
+                compression: str = "none") -> dict[str, Any]:
     """Train a small MLP ``steps`` inner steps on this rank's own batches: gradients averaged inside the node
     every step, and OuterSync across nodes every ``sync_every`` (``inter`` None: plain data parallel, gradients
     averaged over every rank, the reference). ``stop_at``: rebuild model, optimizers and OuterSync from their
@@ -536,7 +537,7 @@ def _diloco_run(topo: Topology, groups: CommGroups, steps: int, sync_every: int,
         inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
         sync = None if inter is None else OuterSync(model.parameters(), groups, sync_every=sync_every, inter=inter,
                                                      outer_optimizer=outer or default_outer_optimizer,
-                                                     fragments=fragments)
+                                                     fragments=fragments, compression=compression)
         return model, inner, sync
 
     model, inner, sync = build()
@@ -583,6 +584,8 @@ def case_diloco(topo: Topology, groups: CommGroups, params: dict) -> dict[str, A
         out[f"h8_{inter}"] = _diloco_run(topo, groups, steps, 8, inter, momentum=0.9)
     out["h8_resumed"] = _diloco_run(topo, groups, steps, 8, "hierarchical", momentum=0.9, stop_at=13)
     out["h8_streaming"] = _diloco_run(topo, groups, steps, 8, "sharded", momentum=0.9, fragments=2)
+    for inter in ("hierarchical", "sharded"):
+        out[f"h8_fp8_{inter}"] = _diloco_run(topo, groups, steps, 8, inter, momentum=0.9, compression="fp8")
     return out
 
 
