@@ -251,10 +251,22 @@ def test_without_root_or_user_namespaces_the_testbed_says_what_it_needs(monkeypa
     monkeypatch.setattr(testbed, "USERNS", (*testbed.USERNS, "--no-such-option"))
     reason = testbed.testbed_available()
     assert reason.startswith("the network testbed needs root or unprivileged user namespaces (running as uid 1000")
-    assert "kernel.unprivileged_userns_clone=1" in reason and "\n" not in reason
+    assert "user.max_user_namespaces" in reason and "kernel.unprivileged_userns_clone=1" in reason
+    assert "\n" not in reason
     with pytest.raises(testbed.TestbedError, match="needs root or unprivileged user namespaces"):
         Testbed(2, LinkShape(100)).__enter__()
     assert ours() == []
+
+
+@pytest.mark.unit
+def test_a_user_namespace_that_fails_to_start_says_why_in_one_line(monkeypatch):
+    import hybrid.runtime.testbed as testbed
+
+    monkeypatch.setattr(testbed, "USERNS", ("sh", "-c", "echo 'unshare: Operation not permitted' >&2; exit 1", "x"))
+    with pytest.raises(testbed.TestbedError) as caught:
+        testbed._UserNamespace()
+    assert str(caught.value).endswith("did not start a testbed namespace within 30 s: unshare: Operation not "
+                                      "permitted"), caught.value
 
 
 @pytest.mark.unit
@@ -365,7 +377,7 @@ def test_the_link_probe_names_the_node_with_the_slow_nic(tmp_path):
 def test_a_user_without_root_trains_on_the_testbed_in_a_user_namespace():
     """The trainer on the testbed run as nobody: the namespaces, links and shaping live in a user namespace of
     the run's own (unshare -rnm), the run finishes, its files are nobody's, its gloo traffic crossed each node's
-    shaped NIC, and nothing is left behind, neither a holder process nor a namespace of the machine's."""
+    shaped NIC, and no holder process is left behind."""
     workdir = Path(tempfile.mkdtemp(prefix="hybrid-nobody-"))
     try:
         workdir.chmod(0o777)
@@ -383,8 +395,9 @@ def test_a_user_without_root_trains_on_the_testbed_in_a_user_namespace():
         sent = metrics["nic_tx_bytes_per_step_by_node"]
         assert len(sent) == 2 and all(metrics["param_bytes"] <= b < 1.15 * metrics["param_bytes"] for b in sent), sent
         assert "hostname of the client socket cannot be retrieved" not in out.stderr
+        # No holder left. (Its namespaces were never the machine's: `ip netns list` as root does not see them, and
+        # this test, run beside others, cannot ask it for none at all.)
         left = subprocess.run(["pgrep", "-u", str(as_user.NOBODY), "-f", "unshare --user"], capture_output=True)
-        assert left.returncode == 1, left.stdout  # no holder left
-        assert ours() == []
+        assert left.returncode == 1, left.stdout
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

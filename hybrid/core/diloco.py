@@ -137,7 +137,7 @@ class OuterSync:
             return
         g = topology.local_world_size
         size = -(-delta.numel() // g)  # the shard length, the last one padded
-        padded = torch.zeros(size * g, dtype=delta.dtype)
+        padded = torch.zeros(size * g, dtype=delta.dtype, device=delta.device)
         padded[:delta.numel()] = delta
         shards = list(padded.split(size))
         mine = shards[topology.local_rank].clone()

@@ -30,11 +30,11 @@ _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def encode(values: torch.Tensor, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(payload, scales) of a 1-D fp32 tensor: fp8 e4m3 as bytes with a scale per block; 16 bits with no scale."""
     if codec in _HALF:
-        return values.to(_HALF[codec]), torch.ones(0)
+        return values.to(_HALF[codec]), torch.ones(0, device=values.device)
     if codec != "fp8":
         raise ValueError(f"codec={codec!r} is not one of {', '.join(c for c in CODECS if c != 'none')}")
     blocks = -(-values.numel() // BLOCK)
-    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=values.device)
     padded[:values.numel()] = values
     padded = padded.view(blocks, BLOCK)
     scales = padded.abs().amax(dim=1).div_(_FP8_MAX)

@@ -134,8 +134,9 @@ def _user_namespaces_refused() -> str | None:
         return None
     said = (probe.stderr.strip().splitlines() or [f"exit {probe.returncode}"])[0]
     return (f"the network testbed needs root or unprivileged user namespaces (running as uid {os.geteuid()}, "
-            f"`unshare -rnm` failed: {said}); as root, allow them with "
-            "`sysctl -w kernel.unprivileged_userns_clone=1 user.max_user_namespaces=15000`, or run as root")
+            f"`unshare -rnm` failed: {said}); as root, allow them (`sysctl -w user.max_user_namespaces=15000`, "
+            "and kernel.unprivileged_userns_clone=1 on Debian kernels or "
+            "kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu's), or run as root")
 
 
 def _run(*cmd: str) -> str:
@@ -235,9 +236,11 @@ class _UserNamespace:
         ready, _, _ = select.select([self.holder.stdout], [], [], self.READY_TIMEOUT_S)
         line = self.holder.stdout.readline() if ready else ""
         if line.strip() != "ready":
-            self.close()
-            raise TestbedError(f"`{' '.join(USERNS)}` did not start within {self.READY_TIMEOUT_S:.0f} s: "
-                               f"{self.holder.stderr.read().strip() if self.holder.poll() is not None else 'no answer'}")
+            ended = self.holder.poll() is not None
+            said = (self.holder.stderr.read().strip().splitlines() or ["no message"])[0] if ended else "no answer"
+            self.close()  # the reason is read first: close() closes the holder's pipes
+            raise TestbedError(f"`{' '.join(USERNS)}` did not start a testbed namespace within "
+                               f"{self.READY_TIMEOUT_S:.0f} s: {said}")
         self.prefix: tuple[str, ...] = ("nsenter", f"--target={self.holder.pid}", "--user", "--net", "--mount",
                                          "--preserve-credentials")  # setgroups is denied in the namespace
 
@@ -342,8 +345,9 @@ class Testbed:
             self._userns = _UserNamespace()
             self._etc = Path(tempfile.mkdtemp(prefix="hybrid-testbed-"))
             (self._etc / "hosts").write_text(_hosts_file(names))
-            self._run("mount", "-t", "tmpfs", "-o", "mode=755", "hybrid-run", "/run")
+            # The hosts file first: it may sit under /run (TMPDIR=/run/user/UID), which the tmpfs then covers.
             self._run("mount", "--bind", str(self._etc / "hosts"), "/etc/hosts")
+            self._run("mount", "-t", "tmpfs", "-o", "mode=755", "hybrid-run", "/run")
         self._run("ip", "link", "add", self.bridge, "type", "bridge")
         self._run("ip", "link", "set", self.bridge, "up")
         for i, (ns, host_ends, link) in enumerate(zip(self.namespaces, self._host_ends, self.links)):
@@ -369,10 +373,12 @@ class Testbed:
 
     def destroy(self) -> None:
         """Remove everything this testbed created (deleting a namespace deletes its veth pair)."""
-        if self._userns is not None:  # the namespaces, links and mounts go with the user namespace's last process
-            self._userns.close()
-            self._userns = None
-            shutil.rmtree(self._etc or "", ignore_errors=True)
+        if os.geteuid() != 0:  # the namespaces, links and mounts go with the user namespace's last process
+            if self._userns is not None:
+                self._userns.close()
+                self._userns = None
+            if self._etc is not None:
+                shutil.rmtree(self._etc, ignore_errors=True)
             self._restore_sigterm()
             return
         for ns in self.namespaces:
