@@ -236,6 +236,10 @@ class _UserNamespace:
         ready, _, _ = select.select([self.holder.stdout], [], [], self.READY_TIMEOUT_S)
         line = self.holder.stdout.readline() if ready else ""
         if line.strip() != "ready":
+            try:  # its stdout closed (an empty line): it is exiting; let it end, so that its message is whole
+                self.holder.wait(timeout=5 if ready else 0.1)
+            except subprocess.TimeoutExpired:
+                pass
             ended = self.holder.poll() is not None
             said = (self.holder.stderr.read().strip().splitlines() or ["no message"])[0] if ended else "no answer"
             self.close()  # the reason is read first: close() closes the holder's pipes
