@@ -82,7 +82,10 @@ def test_metrics_account_every_ranks_step_and_name_no_slowest_node_without_a_mar
         for r in ranks:
             assert r["steps"] == 19  # step 1 (warm-up) left out
             parts = r["data_s"] + r["forward_s"] + r["backward_s"] + r["comm_wait_s"] + r["optimizer_s"]
-            assert 0 < r["compute_s"] <= parts <= r["step_s"] * 1.1, r  # medians of parts, so not exactly additive
+            # Medians of parts are not additive (the sum of medians is not the median of sums), and at ~14 ms steps
+            # on 2 cores a part's median moves by a ms: 1.1 failed once (15.4 against 13.8 ms). A part counted
+            # twice, or outside the step, would still exceed 1.25.
+            assert 0 < r["compute_s"] <= parts <= r["step_s"] * 1.25, r
             assert set(r["phase_s"]) == set(r["exposed_s"])
             assert all(r["exposed_s"][p] <= r["phase_s"][p] + 1e-9 for p in r["phase_s"])
         assert metrics["straggler_margin"] == 0.25
