@@ -248,5 +248,23 @@ def test_diloco_outer_loop_is_data_parallel_in_its_exact_case_and_keeps_nodes_in
     assert 3.8 < fp32 / fp8 < 4, (fp32, fp8)
     straight = [r["diloco"]["h8_hierarchical"]["digests"] for r in by_rank]
     assert [r["diloco"]["h8_resumed"]["digests"] for r in by_rank] == straight
+    # Overlapped: the exchange sent at step 8 lands at the end of step 9, so the global weights after step 9 are
+    # those the plain run holds after its sync at step 8 (the same pseudo-gradient, the same outer step; later
+    # ones differ, as the runs' weights after step 9 do); each node
+    # keeps its step 9, so the nodes never agree until finish() syncs at the end. Stopped with the exchange in
+    # flight and rebuilt from the state dicts: bitwise the straight run.
+    for inter in ("hierarchical", "sharded"):
+        plain = [r["diloco"][f"h8_{inter}"] for r in by_rank]
+        runs = [r["diloco"][f"h8_overlap_{inter}"] for r in by_rank]
+        for run, reference in zip(runs, plain):
+            assert run["global_digests"][8] == reference["digests"][7], inter
+            assert run["global_digests"][7] != reference["digests"][7], inter  # not landed yet at step 8
+        for step in range(20):
+            assert all(runs[a]["digests"][step] == runs[b]["digests"][step]
+                       for a in range(4) for b in range(4) if nodes[a] == nodes[b]), (inter, step + 1)
+            assert len({run["digests"][step] for run in runs}) == 2, (inter, step + 1)
+        assert len({run["finished"] for run in runs}) == 1 and all(run["identical_everywhere"] for run in runs)
+    straight = [r["diloco"]["h8_overlap_sharded"]["digests"] for r in by_rank]
+    assert [r["diloco"]["h8_overlap_resumed"]["digests"] for r in by_rank] == straight
     # The leaders' ring of 2 nodes sends the whole fp32 pseudo-gradient once per sync: (16*32+32+32*4+4) x 4 bytes.
     assert by_rank[0]["diloco"]["h8_hierarchical"]["bytes_per_sync"] == (16 * 32 + 32 + 32 * 4 + 4) * 4

@@ -30,6 +30,13 @@ With ``compression`` (``bf16``, ``fp16``, or ``fp8``: e4m3 with a scale per bloc
 :mod:`hybrid.core.pseudo_grad_codec`) the nodes' parts are all-gathered encoded instead of all-reduced, and
 every rank sums the decoded parts in fp32.
 
+With ``overlap`` a fragment's exchange runs in the background while every node takes its next inner step,
+and lands at the end of that step (a fixed delay of one inner step, the same on every rank, so the result does
+not depend on when the network delivers it): the outer step is taken on the global weights as without overlap,
+and each node continues from the new global weights plus the one inner step it took meanwhile. Nodes then
+differ by that step after an outer step, as they do between syncs (Streaming DiLoCo's overlap, with the local
+step kept rather than mixed).
+
 Both give every rank the same bits (one all-reduce per element, then copies),
 and the outer step is the same deterministic update on every rank, so all
 ranks hold identical weights after each sync. Nodes count equally, as DiLoCo
@@ -40,13 +47,16 @@ pseudo-gradient is lr x the node's mean gradient).
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
+from hybrid.core.comm.counters import PhaseCounters, allreduce_bytes, rooted_bytes
 from hybrid.core.comm.groups import CommGroups
-from hybrid.core.pseudo_grad_codec import CODECS, average_encoded, wire_bytes
+from hybrid.core.pseudo_grad_codec import CODECS, EncodedGather, wire_bytes
 
 __all__ = ["INTER_MODES", "OuterSync", "default_outer_optimizer"]
 
@@ -58,17 +68,48 @@ def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
+@dataclass
+class _Exchange:
+    """One fragment's pseudo-gradient on its way among the nodes."""
+
+    fragment: int
+    due: int  # the inner step at whose end it lands
+    delta: torch.Tensor  # 1-D fp32: this node's pseudo-gradient, the mean among nodes once ``complete`` ran
+    sent: torch.Tensor | None  # overlap: the fragment's local weights (fp32) when it left
+    complete: Callable[[], None] | None  # waits for the exchange and writes the mean into delta; None: done
+
+
+class _Started:
+    """An average among one rank per node, in flight: a summing all-reduce, or an all-gather of encoded parts."""
+
+    def __init__(self, values: torch.Tensor, group: dist.ProcessGroup, members: int, compression: str) -> None:
+        self.members = members
+        self.gather = EncodedGather(values, compression, group, members) if compression != "none" else None
+        self.work = dist.all_reduce(values, group=group, async_op=True) if self.gather is None else None
+
+    def mean_into(self, values: torch.Tensor) -> None:
+        if self.gather is not None:
+            self.gather.mean_into(values)
+            return
+        self.work.wait()
+        values.div_(self.members)
+
+
 class OuterSync:
     """The global weights, the outer optimizer and the exchange among nodes, for one model's parameters.
 
     ``step(inner_step)`` after every inner optimizer step (1-based count of steps taken): every
-    ``sync_every``-th one syncs. ``outer_optimizer`` builds the outer optimizer from the global weights (a
-    ``torch.optim`` class with its arguments bound, e.g. ``functools.partial(torch.optim.SGD, lr=0.7)``).
+    ``sync_every``-th one syncs. ``finish(inner_step)`` at the end of training syncs whatever has moved since
+    its last sync, so every rank ends with the same weights. ``outer_optimizer`` builds the outer optimizer
+    from the global weights (a ``torch.optim`` class with its arguments bound, e.g.
+    ``functools.partial(torch.optim.SGD, lr=0.7)``). ``counters``: the exchange's time and bytes, as phases
+    ``inter_allreduce`` (among nodes) and ``intra_broadcast`` (the mean spread inside the node).
     Collective: every rank of the job constructs it and calls ``step`` with the same counts."""
 
     def __init__(self, params: Iterable[torch.Tensor], groups: CommGroups, *, sync_every: int,
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = default_outer_optimizer,
-                 inter: str = "hierarchical", fragments: int = 1, compression: str = "none") -> None:
+                 inter: str = "hierarchical", fragments: int = 1, compression: str = "none",
+                 overlap: bool = False, counters: PhaseCounters | None = None) -> None:
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} must be an integer >= 1 (inner steps between syncs)")
         if inter not in INTER_MODES:
@@ -88,6 +129,7 @@ class OuterSync:
         if inter == "sharded" and groups.cross is None:
             raise ValueError("inter=sharded needs uniform nodes and the cross groups (CommGroups kinds 'cross')")
         self.groups, self.sync_every, self.inter, self.compression = groups, sync_every, inter, compression
+        self.overlap, self.counters = overlap, counters if counters is not None else PhaseCounters()
         # fp32 masters of the global weights, whatever the model's dtype: the outer step runs on them.
         self.global_params = [p.detach().clone().float() for p in self.params]
         self.outer = outer_optimizer(self.global_params)
@@ -95,13 +137,36 @@ class OuterSync:
         self.syncs = 0
         self.last_pseudo_grad_norm = 0.0
         self.bytes_per_sync = self._bytes_per_sync()
+        self._pending: list[_Exchange] = []
+        self._clean = [True] * len(self.fragments)  # fragment f holds the same bits on every rank
+
+    @property
+    def identical_everywhere(self) -> bool:
+        """Whether every rank holds the same weights now (after a sync of every fragment, nothing in flight)."""
+        return all(self._clean) and not self._pending
 
     def step(self, inner_step: int) -> bool:
-        """Sync the fragments whose turn ``inner_step`` (inner optimizer steps taken so far) is; whether any did."""
-        due = [f for f in range(len(self.fragments)) if inner_step % self.sync_every == self.offset(f)]
-        for f in due:
-            self.sync(f)
-        return bool(due)
+        """After inner step ``inner_step`` (inner optimizer steps taken so far): land the exchanges due now and
+        start (and, without overlap, land) those of the fragments whose turn it is; whether an outer step was
+        taken."""
+        self._clean = [False] * len(self._clean)  # the inner step moved every fragment on every node
+        landed = self._land_due(inner_step)
+        for f in range(len(self.fragments)):
+            if inner_step % self.sync_every == self.offset(f):
+                exchange = self._start(f, inner_step + 1 if self.overlap else inner_step)
+                if not self.overlap:
+                    self._land(exchange, drifted=False)
+                    landed = True
+        return landed
+
+    def finish(self, inner_step: int) -> None:
+        """The end of training: land what is in flight (no inner step has run since it left) and sync every
+        fragment that has moved since its last sync, so that all ranks hold the same weights."""
+        while self._pending:
+            self._land(self._pending.pop(0), drifted=False)
+        for f in range(len(self.fragments)):
+            if not self._clean[f]:
+                self._land(self._start(f, inner_step, background=False), drifted=False)
 
     def offset(self, fragment: int) -> int:
         """Where in each interval ``fragment`` syncs: (f + 1) H / F mod H (the last fragment at H, i.e. 0)."""
@@ -110,49 +175,107 @@ class OuterSync:
     @torch.no_grad()
     def sync(self, fragment: int = 0) -> None:
         """Average one fragment's pseudo-gradient among nodes, take an outer step on it, continue every worker
-        from its result (with one fragment: all the parameters)."""
+        from its result (with one fragment: all the parameters), now, whatever the schedule."""
+        self._land(self._start(fragment, 0, background=False), drifted=False)
+
+    def _land_due(self, inner_step: int) -> bool:
+        due = [e for e in self._pending if e.due <= inner_step]
+        self._pending = [e for e in self._pending if e.due > inner_step]
+        for exchange in due:
+            self._land(exchange, drifted=True)
+        return bool(due)
+
+    @torch.no_grad()
+    def _start(self, fragment: int, due: int, background: bool | None = None) -> _Exchange:
+        """This node's pseudo-gradient of ``fragment`` (global minus local weights) sent on its way."""
         chosen = self.fragments[fragment]
-        pairs = [(self.global_params[i], self.params[i]) for i in chosen]
-        delta = torch.cat([(g - p.detach().float()).reshape(-1) for g, p in pairs])
-        self._average_among_nodes(delta)
+        local = torch.cat([self.params[i].detach().float().reshape(-1) for i in chosen])
+        delta = torch.cat([self.global_params[i].reshape(-1) for i in chosen]) - local
+        background = self.overlap if background is None else background
+        exchange = _Exchange(fragment, due, delta, local if background else None, self._start_average(delta))
+        if background:
+            self._pending.append(exchange)
+        return exchange
+
+    @torch.no_grad()
+    def _land(self, exchange: _Exchange, drifted: bool) -> None:
+        """Take the outer step on the mean pseudo-gradient and continue from the new global weights (with the
+        inner steps taken since the exchange left, where ``drifted``)."""
+        self._complete(exchange)
+        delta = exchange.delta
         self.last_pseudo_grad_norm = float(delta.norm())
+        chosen = self.fragments[exchange.fragment]
+        pairs = [(self.global_params[i], self.params[i]) for i in chosen]
         offset = 0
         for g, _ in pairs:
             g.grad = delta[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
         self.outer.step()  # torch's optimizers skip parameters without a gradient: the other fragments
+        offset = 0
         for g, p in pairs:
-            p.copy_(g)
+            if drifted and exchange.sent is not None:  # keep the inner steps taken while it travelled
+                moved = p.detach().float() - exchange.sent[offset:offset + g.numel()].view_as(g)
+                p.copy_(g + moved)
+            else:
+                p.copy_(g)
+            offset += g.numel()
             g.grad = None
+        self._clean[exchange.fragment] = not drifted
         self.syncs += 1
 
-    def _average_among_nodes(self, delta: torch.Tensor) -> None:
+    def _complete(self, exchange: _Exchange) -> None:
+        if exchange.complete is not None:
+            exchange.complete()
+            exchange.complete = None
+
+    def _start_average(self, delta: torch.Tensor) -> Callable[[], None] | None:
+        """Start averaging ``delta`` among nodes; the function that waits for it and leaves the mean in ``delta``
+        on every rank (None: one node, nothing to average)."""
         topology = self.groups.topology
-        if topology.nnodes == 1:
-            return
+        n, g = topology.nnodes, topology.local_world_size
+        if n == 1:
+            return None
         if self.inter == "hierarchical":
-            if topology.is_leader:
-                self._average(delta, self.groups.leaders)
-            dist.broadcast(delta, src=topology.leader, group=self.groups.intra)
-            return
-        g = topology.local_world_size
+            started = self._start_inter(delta, self.groups.leaders) if topology.is_leader else None
+
+            def complete_hierarchical() -> None:
+                if started is not None:
+                    self._timed("inter_allreduce", self._inter_bytes(delta), lambda: started.mean_into(delta))
+                if g > 1:
+                    self._timed("intra_broadcast", rooted_bytes(delta.nbytes, g),
+                                lambda: dist.broadcast(delta, src=topology.leader, group=self.groups.intra))
+
+            return complete_hierarchical
         size = -(-delta.numel() // g)  # the shard length, the last one padded
         padded = torch.zeros(size * g, dtype=delta.dtype, device=delta.device)
         padded[:delta.numel()] = delta
         shards = list(padded.split(size))
         mine = shards[topology.local_rank].clone()
-        self._average(mine, self.groups.cross)
-        dist.all_gather(shards, mine, group=self.groups.intra)
-        delta.copy_(torch.cat(shards)[:delta.numel()])
+        started = self._start_inter(mine, self.groups.cross)
 
-    def _average(self, values: torch.Tensor, group: dist.ProcessGroup) -> None:
-        """The mean of ``values`` over ``group``, one rank per node: all-reduced, or all-gathered encoded."""
-        nnodes = self.groups.topology.nnodes
+        def complete_sharded() -> None:
+            self._timed("inter_allreduce", self._inter_bytes(mine), lambda: started.mean_into(mine))
+            self._timed("intra_broadcast", rooted_bytes(padded.nbytes, g),
+                        lambda: dist.all_gather(shards, mine, group=self.groups.intra))
+            delta.copy_(padded[:delta.numel()])
+
+        return complete_sharded
+
+    def _start_inter(self, values: torch.Tensor, group: dist.ProcessGroup) -> _Started:
+        return _Started(values, group, self.groups.topology.nnodes, self.compression)
+
+    def _inter_bytes(self, values: torch.Tensor) -> int:
+        """What this rank sends among nodes for ``values``: a ring all-reduce's 2(n-1)/n, or its encoded part
+        to each of the n-1 others."""
+        n = self.groups.topology.nnodes
         if self.compression == "none":
-            dist.all_reduce(values, group=group)
-            values.div_(nnodes)
-        else:
-            average_encoded(values, self.compression, group, nnodes)
+            return allreduce_bytes(values.nbytes, n)
+        return (n - 1) * wire_bytes(values.numel(), self.compression)
+
+    def _timed(self, phase: str, nbytes: int, wait: Callable[[], Any]) -> None:
+        start = time.perf_counter()
+        wait()
+        self.counters.add(phase, time.perf_counter() - start, nbytes, start)
 
     def _bytes_per_sync(self) -> int:
         """Bytes each node puts on its inter-node link per interval of H steps, all fragments together (a ring
@@ -166,21 +289,32 @@ class OuterSync:
         return (n - 1) * wire_bytes(numel, self.compression)  # an all-gather: its part to each other node
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint needs to resume bitwise anywhere inside an interval."""
+        """What a checkpoint needs to resume bitwise anywhere inside an interval. Collective where an exchange
+        is in flight (overlap): it is waited for, and its mean saved with the weights it left from, which
+        differ per node."""
+        for exchange in self._pending:
+            self._complete(exchange)
         return {"global_params": [g.clone() for g in self.global_params], "outer": self.outer.state_dict(),
-                "syncs": self.syncs, "sync_every": self.sync_every, "fragments": len(self.fragments)}
+                "syncs": self.syncs, "sync_every": self.sync_every, "fragments": len(self.fragments),
+                "clean": list(self._clean),
+                "pending": [{"fragment": e.fragment, "due": e.due, "delta": e.delta.clone(),
+                             "sent": None if e.sent is None else e.sent.clone()} for e in self._pending]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = (state["sync_every"], state.get("fragments", 1))
         if saved != (self.sync_every, len(self.fragments)):
             raise ValueError(f"the checkpoint synced every {saved[0]} steps in {saved[1]} fragment(s), this run "
                              f"every {self.sync_every} in {len(self.fragments)}: resume with the same schedule")
+        device = self.global_params[0].device
         with torch.no_grad():
             for g, saved in zip(self.global_params, state["global_params"], strict=True):
                 g.copy_(saved)
         self.outer.load_state_dict(state["outer"])
         self.syncs = int(state["syncs"])
-
+        self._clean = list(state.get("clean", [False] * len(self.fragments)))
+        self._pending = [_Exchange(e["fragment"], e["due"], e["delta"].to(device),
+                                   None if e["sent"] is None else e["sent"].to(device), None)
+                         for e in state.get("pending", [])]
 
 
 def _fragments(sizes: list[int], count: int) -> list[list[int]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["BLOCK", "CODECS", "average_encoded", "decode", "encode", "wire_bytes"]
+__all__ = ["BLOCK", "CODECS", "EncodedGather", "average_encoded", "decode", "encode", "wire_bytes"]
 
 CODECS = ("none", "bf16", "fp16", "fp8")
 BLOCK = 128
@@ -51,19 +51,36 @@ def decode(payload: torch.Tensor, scales: torch.Tensor, numel: int, codec: str) 
     return blocks.reshape(-1)[:numel]
 
 
+class EncodedGather:
+    """An all-gather of every rank's encoded part, started (``async_op``); :meth:`mean_into` waits for it and
+    writes the mean of the decoded parts, summed in fp32 in rank order (the same bits on every rank)."""
+
+    def __init__(self, values: torch.Tensor, codec: str, group: dist.ProcessGroup, members: int) -> None:
+        payload, scales = encode(values, codec)
+        self.codec, self.members, self.numel = codec, members, values.numel()
+        self.payloads = [torch.empty_like(payload) for _ in range(members)]
+        self.scales = [torch.empty_like(scales) for _ in range(members)]
+        self.works = [dist.all_gather(self.payloads, payload, group=group, async_op=True)]
+        if scales.numel():
+            self.works.append(dist.all_gather(self.scales, scales, group=group, async_op=True))
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+    def mean_into(self, values: torch.Tensor) -> None:
+        self.wait()
+        total = torch.zeros_like(values)
+        for part, scale in zip(self.payloads, self.scales):
+            total += decode(part, scale, self.numel, self.codec)
+        values.copy_(total.div_(self.members))
+
+
 def average_encoded(values: torch.Tensor, codec: str, group: dist.ProcessGroup, members: int) -> None:
     """Replace ``values`` (1-D fp32) by the mean over ``group``'s ``members`` ranks of their ``codec``-rounded
     values: each rank's encoded part all-gathered, decoded and summed in rank order, the same bits everywhere."""
-    payload, scales = encode(values, codec)
-    payloads = [torch.empty_like(payload) for _ in range(members)]
-    dist.all_gather(payloads, payload, group=group)
-    all_scales = [torch.empty_like(scales) for _ in range(members)]
-    if scales.numel():
-        dist.all_gather(all_scales, scales, group=group)
-    total = torch.zeros_like(values)
-    for part, scale in zip(payloads, all_scales):
-        total += decode(part, scale, values.numel(), codec)
-    values.copy_(total.div_(members))
+    EncodedGather(values, codec, group, members).mean_into(values)
 
 
 def wire_bytes(numel: int, codec: str) -> int:

@@ -523,11 +523,12 @@ def case_profiler(topo: Topology, groups: CommGroups, params: dict) -> dict[str,
 
 def _diloco_run(topo: Topology, groups: CommGroups, steps: int, sync_every: int, inter: str | None,
                 outer: Any = None, momentum: float = 0.0, stop_at: int = 0, fragments: int = 1,
-                compression: str = "none") -> dict[str, Any]:
+                compression: str = "none", overlap: bool = False) -> dict[str, Any]:
     """Train a small MLP ``steps`` inner steps on this rank's own batches: gradients averaged inside the node
     every step, and OuterSync across nodes every ``sync_every`` (``inter`` None: plain data parallel, gradients
     averaged over every rank, the reference). ``stop_at``: rebuild model, optimizers and OuterSync from their
-    state dicts after that step, as a resume does. Returns the digest of the weights after every step."""
+    state dicts after that step, as a resume does. Returns the digest of the weights (and of the global weights)
+after every step, and of the weights after ``OuterSync.finish``."""
 
     from hybrid.core.diloco import OuterSync, default_outer_optimizer
 
@@ -537,12 +538,13 @@ def _diloco_run(topo: Topology, groups: CommGroups, steps: int, sync_every: int,
         inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
         sync = None if inter is None else OuterSync(model.parameters(), groups, sync_every=sync_every, inter=inter,
                                                      outer_optimizer=outer or default_outer_optimizer,
-                                                     fragments=fragments, compression=compression)
+                                                     fragments=fragments, compression=compression,
+                                                     overlap=overlap)
         return model, inner, sync
 
     model, inner, sync = build()
     batches = torch.Generator().manual_seed(1000 + topo.rank)
-    digests, weights = [], None
+    digests, global_digests, weights = [], [], None
     for step in range(1, steps + 1):
         x, y = torch.randn(8, 16, generator=batches), torch.randint(0, 4, (8,), generator=batches)
         inner.zero_grad()
@@ -557,6 +559,7 @@ def _diloco_run(topo: Topology, groups: CommGroups, steps: int, sync_every: int,
         params = list(model.parameters())
         digests.append([digest([params[i] for i in run]) for run in sync.fragments] if sync and fragments > 1
                        else digest(params))
+        global_digests.append(digest(sync.global_params) if sync else None)
         if step == stop_at:
             saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(inner.state_dict()),
                      copy.deepcopy(sync.state_dict()) if sync else None)
@@ -566,8 +569,12 @@ def _diloco_run(topo: Topology, groups: CommGroups, steps: int, sync_every: int,
             if sync:
                 sync.load_state_dict(saved[2])
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return {"digests": digests, "weights": weights.tolist(), "syncs": sync.syncs if sync else 0,
-            "bytes_per_sync": sync.bytes_per_sync if sync else 0}
+    syncs = sync.syncs if sync else 0
+    if sync:
+        sync.finish(steps)
+    return {"digests": digests, "global_digests": global_digests, "weights": weights.tolist(),
+            "syncs": syncs, "bytes_per_sync": sync.bytes_per_sync if sync else 0,
+            "finished": digest(list(model.parameters())), "identical_everywhere": bool(sync and sync.identical_everywhere)}
 
 
 def case_diloco(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
@@ -586,6 +593,10 @@ def case_diloco(topo: Topology, groups: CommGroups, params: dict) -> dict[str, A
     out["h8_streaming"] = _diloco_run(topo, groups, steps, 8, "sharded", momentum=0.9, fragments=2)
     for inter in ("hierarchical", "sharded"):
         out[f"h8_fp8_{inter}"] = _diloco_run(topo, groups, steps, 8, inter, momentum=0.9, compression="fp8")
+    for inter in ("hierarchical", "sharded"):
+        out[f"h8_overlap_{inter}"] = _diloco_run(topo, groups, steps, 8, inter, momentum=0.9, overlap=True)
+    # Stopped with an exchange in flight (sent at step 8, due at 9).
+    out["h8_overlap_resumed"] = _diloco_run(topo, groups, steps, 8, "sharded", momentum=0.9, overlap=True, stop_at=8)
     return out
 
 
