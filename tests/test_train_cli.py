@@ -120,7 +120,7 @@ def test_tensorboard_names_a_single_run_by_its_comm_and_layout(default_run):
 BAD = [
     (["cluster.nnodes=0"], "cluster.nnodes=0 must be >= 1"),
     (["data.batch_size=-4"], "data.batch_size=-4 must be >= 1"),
-    (["comm=ring"], "comm='ring' is not one of auto, ddp, flat, hierarchical, hsdp, sharded"),
+    (["comm=ring"], "comm='ring' is not one of auto, ddp, diloco, flat, hierarchical, hsdp, sharded"),
     (["model=resnet"], "model='resnet' is not one of cnn, gpt2, mlp, transformer"),
     (["data=text"], "data=text is next-byte prediction for a language model: model=mlp cannot train on it"),
     (["data=text", "model=cnn"], "data=text is next-byte prediction for a language model: model=cnn cannot train on "
@@ -169,6 +169,18 @@ BAD = [
                                         "cluster.testbed.enabled=true too"),
     (["comm=flat", "comm.inter_compression=bf16"],
      "comm.inter_compression='bf16' compresses the inter-node phase of hierarchical and sharded (and auto's choices of them); comm=flat has none"),
+    (["comm=diloco", "comm.sync_every=0"], "comm.sync_every=0 must be >= 1 (inner steps between syncs)"),
+    (["comm=diloco", "comm.fragments=3"], "comm.fragments=3 must divide comm.sync_every=32"),
+    (["comm=diloco", "comm.inter=ring"], "comm.inter='ring' is not one of hierarchical, sharded"),
+    (["comm=diloco", "comm.inter_compression=int4"], "comm.inter_compression='int4' is not one of none, bf16, fp16, fp8"),
+    (["comm=diloco", "comm.outer_optim._partial_=false"], "comm.outer_optim._partial_=False: the outer optimizer is"),
+    (["comm=diloco", "comm.outer_optim._target_=torch.nn.Linear"],
+     "comm.outer_optim._target_=torch.nn.Linear is not a torch.optim.Optimizer class"),
+    (["comm=diloco", "comm.outer_optim.lr=fast"], "comm.outer_optim.lr='fast' is not a number"),
+    (["comm=diloco", "cluster.intra_mode=thread"], "comm=diloco is not available with cluster.intra_mode=thread"),
+    (["comm=hierarchical", "comm.sync_every=8"], "comm.sync_every=8 applies to comm=diloco only"),
+    (["comm=hierarchical", "comm.inter_compression=fp8"],
+     "comm.inter_compression='fp8' is not one of none, bf16, fp16 (fp8 is comm=diloco's)"),
 ]
 
 
@@ -179,7 +191,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
     out = hybrid_train("comm=ring", cwd=tmp_path, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "error: comm='ring' is not one of auto, ddp, flat, hierarchical, hsdp, sharded"]
+        "error: comm='ring' is not one of auto, ddp, diloco, flat, hierarchical, hsdp, sharded"]
     assert time.monotonic() - start < 30
     assert list(tmp_path.iterdir()) == []
 
@@ -276,7 +288,7 @@ def test_a_sweeps_runs_are_named_by_their_overrides_in_tensorboard_and_a_resume_
 def test_help_lists_the_config_groups(tmp_path):
     out = hybrid_train("--help", cwd=tmp_path, timeout=60)
     assert out.returncode == 0
-    for line in ("cluster: 1x2, 1x4, 2x1, 2x2, 2x4, 4x1, 4x2, local", "comm: auto, ddp, flat, hierarchical, hsdp, sharded",
+    for line in ("cluster: 1x2, 1x4, 2x1, 2x2, 2x4, 4x1, 4x2, local", "comm: auto, ddp, diloco, flat, hierarchical, hsdp, sharded",
                  "model: cnn, gpt2, mlp, transformer", "data: files, synthetic, text", "optim: adamw, sgd", "trainer: default",
                  "experiment: auto_vs_fixed, flat_vs_hier, flat_vs_hier_small"):
         assert line in out.stdout

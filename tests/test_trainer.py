@@ -506,3 +506,55 @@ def test_a_sweep_job_is_named_by_the_keys_its_sweep_varies(tmp_path):
     # Without a readable multirun.yaml every override but +experiment names it, a '/' made '_'.
     assert sweep_job_name(12, ["data.root=/a/b", "experiment=x", "cluster=2x2"], str(tmp_path / "none")) == \
         "12_data.root:_a_b+cluster:2x2"
+
+
+@pytest.mark.multiprocess
+def test_diloco_in_its_exact_case_is_ddp_and_at_h8_keeps_nodes_in_step_and_resumes_bitwise():
+    """comm=diloco on 2x2. H=1, an outer SGD of lr 1 without momentum and inner SGD without momentum: within
+    assert_close(rtol 1e-5, atol 1e-6) of comm=ddp after 20 steps, through the leaders and sharded. H=8 (the paper's
+    outer Nesterov SGD, inner SGD with momentum), every step's replicas checked by the trainer: each node's two
+    workers every step, all four after each outer step (a run that broke either stops with ReplicaDivergence);
+    checkpoints at 8 and 16 hold one model on both nodes, those at 4 and 12 two; stopped at step 13 (inside an
+    interval) and resumed, bitwise the straight run, every node's weights and optimizer state."""
+    root, results = job("2x2")
+    reference = model_state(root / "ddp-plain-sgd")
+    for name in ("diloco-exact", "diloco-exact-sharded"):
+        state = model_state(root / name)
+        assert results[name]["diloco"]["outer_steps"] == 20, name
+        for key, tensor in reference.items():
+            torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+    assert any(not torch.equal(model_state(root / "ddp")[k], reference[k]) for k in reference)  # momentum matters
+
+    def nodes(run: str, step: int) -> list[dict]:
+        return torch.load(root / run / "checkpoints" / f"step-{step:08d}.pt", weights_only=True)["diloco"]["nodes"]
+
+    h8 = results["diloco-h8"]
+    assert h8["param_checksums_identical"] and h8["diloco"]["outer_steps"] == 3  # at 8, 16 and the end (20)
+    for step in (4, 8, 12, 16, 20):
+        first, second = nodes("diloco-h8", step)
+        same = all(torch.equal(first["model"][k], second["model"][k]) for k in first["model"])
+        assert same == (step % 8 == 0 or step == 20), step
+    assert h8["bytes"]["inter_allreduce"] > 0 and h8["bytes"]["flat_allreduce"] == 0
+    resumed = results["diloco-h8-resumed"]
+    assert resumed["steps_run"] == 7 and resumed["param_checksum"] == h8["param_checksum"]
+    for straight, again in zip(nodes("diloco-h8", 20), nodes("diloco-h8-resumed", 20)):
+        for key in straight["model"]:
+            assert torch.equal(straight["model"][key], again["model"][key]), key
+        for s1, s2 in zip(straight["optimizer"]["state"].values(), again["optimizer"]["state"].values()):
+            assert torch.equal(s1["momentum_buffer"], s2["momentum_buffer"])
+        assert straight["outer"]["syncs"] == again["outer"]["syncs"]
+
+
+@pytest.mark.multiprocess
+def test_streaming_diloco_with_overlap_and_fp8_ends_identical_and_resumes_with_an_exchange_in_flight():
+    """Two fragments, each exchange in the background of the next inner step, fp8 pseudo-gradients, sharded: every
+    step's replicas checked (each node's workers identical), one model on every rank at the end, fp8's wire bytes
+    (~1.03 a value) where fp32 would send 4; stopped at step 9, with fragment 1's exchange (sent at step 8) in
+    flight, and resumed: bitwise the straight run."""
+    root, results = job("2x2")
+    straight, resumed = results["diloco-streaming"], results["diloco-streaming-resumed"]
+    assert straight["param_checksums_identical"]
+    assert straight["diloco"]["fragments"] == 2 and straight["diloco"]["outer_steps"] >= 5
+    plain = results["diloco-h8"]["diloco"]["bytes_per_sync"]
+    assert 3.8 < plain / straight["diloco"]["bytes_per_sync"] < 4
+    assert resumed["param_checksum"] == straight["param_checksum"] and resumed["steps_run"] == 11

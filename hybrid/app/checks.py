@@ -27,9 +27,11 @@ from hybrid.app.components.losses import batch_loss
 from hybrid.app.components.models import param_bytes
 from hybrid.app.components.optim import check_optimizer
 from hybrid.app.config import (
+    DILOCO,
     TrainConfig,
     TrainSchema,
     check_pairing,
+    outer_optimizer,
     packaged_conf_dir,
     resume_continues_this_run,
     resume_target,
@@ -149,7 +151,9 @@ def check_components(cfg: TrainConfig) -> None:
         raise ComponentError(f"model._target_={cfg.model.target} has no trainable parameters: nothing to train")
     check_powersgd_buckets(cfg, param_bytes(model))
     loss_fn = build_loss(cfg.loss)
-    check_optimizer(cfg.optim)
+    check_optimizer(cfg.optim.optimizer)
+    if cfg.comm.algorithm == DILOCO:
+        check_optimizer(outer_optimizer(cfg.comm))
     dataset = load_dataset(cfg.data)  # last: a built-in one may generate its data into data.root
     x, y = sample_batch(dataset, 2, torch.device("cpu"))
     try:

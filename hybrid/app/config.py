@@ -22,6 +22,8 @@ from hybrid.app.targets import Component, component_of, current_target, label_of
 from hybrid.core.comm.compression import INTER_COMPRESSIONS
 from hybrid.core.comm.groups import BACKENDS
 from hybrid.core.comm.registry import CHOOSABLE, COMPRESSIBLE
+from hybrid.core.diloco import INTER_MODES
+from hybrid.core.pseudo_grad_codec import CODECS
 from hybrid.core.topology import Layout
 from hybrid.runtime.testbed import MAX_NICS, per_node_cpus, per_node_rates
 
@@ -38,6 +40,8 @@ TEXT_TARGET, TEXT_KIND = "hybrid.app.components.datasets.text", "tokens"
 
 __all__ = [
     "COMM_ALGORITHMS",
+    "DEFAULT_OUTER_OPTIM",
+    "DILOCO",
     "REFERENCE_COMMS",
     "TORCH_HOOKS",
     "CONF_PACKAGE",
@@ -52,6 +56,7 @@ __all__ = [
     "check_pairing",
     "TestbedConfig",
     "TrainerConfig",
+    "outer_optimizer",
     "packaged_conf_dir",
     "resume_continues_this_run",
     "resume_target",
@@ -121,7 +126,13 @@ class ClusterConfig:
 # user would try first (hybrid.app.replicas.hsdp); "auto" picks flat, hierarchical or sharded per bucket size from a
 # cost model calibrated at start-up.
 REFERENCE_COMMS = ("ddp", "hsdp")
-COMM_ALGORITHMS = (*CHOOSABLE, *REFERENCE_COMMS)
+# "diloco" is hierarchical in time: gradients averaged inside each node every step, nodes meet every
+# comm.sync_every steps (hybrid.core.diloco, hybrid.app.replicas.diloco).
+DILOCO = "diloco"
+COMM_ALGORITHMS = (*CHOOSABLE, *REFERENCE_COMMS, DILOCO)
+# comm=diloco's outer optimizer when comm.outer_optim is not given: the paper's Nesterov SGD.
+DEFAULT_OUTER_OPTIM = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.7, "momentum": 0.9,
+                       "nesterov": True}
 # comm.torch_hook: torch's own DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks), comm=ddp only.
 TORCH_HOOKS = ("none", "bf16", "fp16", "powersgd")
 
@@ -154,6 +165,15 @@ class CommConfig:
     torch_hook: str = "none"
     powersgd_rank: int = 1  # PowerSGD's matrix_approximation_rank
     powersgd_warmup_steps: int = 10  # PowerSGD's start_powerSGD_iter (torch's default: 1000)
+    # comm=diloco only (docs/diloco.md): nodes meet every sync_every inner steps; the pseudo-gradients travel
+    # through the node leaders (inter=hierarchical) or sharded over every worker's link (inter=sharded), in
+    # `fragments` staggered parts, in the background of the next inner step (overlap), and are applied by
+    # outer_optim (a _partial_ torch.optim class). inter_compression then also takes fp8.
+    sync_every: int = 32
+    inter: str = "hierarchical"
+    fragments: int = 1
+    overlap: bool = False
+    outer_optim: Any = field(default_factory=lambda: dict(DEFAULT_OUTER_OPTIM))
 
     @property
     def chunk_bytes(self) -> int:
@@ -166,10 +186,15 @@ class CommConfig:
             value = getattr(self, f"{level}_backend")
             if value not in BACKENDS:
                 raise ValueError(f"comm.{level}_backend={value!r} is not one of {', '.join(BACKENDS)}")
-        if self.inter_compression not in INTER_COMPRESSIONS:
+        if self.algorithm == DILOCO:
+            self._check_diloco()
+        else:
+            self._refuse_diloco_keys()
+        if self.algorithm != DILOCO and self.inter_compression not in INTER_COMPRESSIONS:
             raise ValueError(f"comm.inter_compression={self.inter_compression!r} is not one of "
-                             f"{', '.join(INTER_COMPRESSIONS)}")
-        if self.inter_compression != "none" and self.algorithm not in COMPRESSIBLE:
+                             f"{', '.join(INTER_COMPRESSIONS)}"
+                             + (" (fp8 is comm=diloco's)" if self.inter_compression in CODECS else ""))
+        if self.inter_compression != "none" and self.algorithm not in (*COMPRESSIBLE, DILOCO):
             raise ValueError(f"comm.inter_compression={self.inter_compression!r} compresses the inter-node phase of "
                              f"hierarchical and sharded (and auto's choices of them); comm={self.algorithm} has "
                              "none: use none")
@@ -189,6 +214,34 @@ class CommConfig:
             raise ValueError(f"comm.pipeline_chunk_mb={self.pipeline_chunk_mb} must be > 0")
         if not self.timeout_s > 0:
             raise ValueError(f"comm.timeout_s={self.timeout_s} must be > 0 seconds")
+
+    def _check_diloco(self) -> None:
+        if isinstance(self.sync_every, bool) or not self.sync_every >= 1:
+            raise ValueError(f"comm.sync_every={self.sync_every!r} must be >= 1 (inner steps between syncs)")
+        if self.inter not in INTER_MODES:
+            raise ValueError(f"comm.inter={self.inter!r} is not one of {', '.join(INTER_MODES)}")
+        if not 1 <= self.fragments <= self.sync_every or self.sync_every % self.fragments:
+            raise ValueError(f"comm.fragments={self.fragments!r} must divide comm.sync_every={self.sync_every} "
+                             "(each fragment syncs once per interval, at its own step)")
+        if self.inter_compression not in CODECS:
+            raise ValueError(f"comm.inter_compression={self.inter_compression!r} is not one of {', '.join(CODECS)}")
+        if not isinstance(self.outer_optim, dict) or "_target_" not in self.outer_optim:
+            raise ValueError(f"comm.outer_optim={self.outer_optim!r} is not a config node: give "
+                             "comm.outer_optim._target_ (a torch.optim class) with _partial_: true")
+        if self.outer_optim.get("_partial_") is not True:
+            raise ValueError(f"comm.outer_optim._partial_={self.outer_optim.get('_partial_')!r}: the outer "
+                             "optimizer is built with the global weights, so its node needs _partial_: true")
+
+    def _refuse_diloco_keys(self) -> None:
+        """comm=diloco's keys changed under another comm: said, not silently ignored."""
+        defaults = CommConfig.__dataclass_fields__
+        for key in ("sync_every", "inter", "fragments", "overlap"):
+            if getattr(self, key) != defaults[key].default:
+                raise ValueError(f"comm.{key}={getattr(self, key)!r} applies to comm=diloco only; "
+                                 f"comm={self.algorithm} does not sync in intervals")
+        if self.outer_optim != DEFAULT_OUTER_OPTIM:
+            raise ValueError(f"comm.outer_optim applies to comm=diloco only; comm={self.algorithm} has no outer "
+                             "optimizer")
 
 
 @dataclass
@@ -295,6 +348,12 @@ class TrainConfig:
         """The processes a launch starts: one per device, or one per node with ``cluster.intra_mode=thread``."""
         per_node = 1 if self.cluster.intra_mode == "thread" else self.cluster.nproc_per_node
         return Layout.uniform(self.cluster.nnodes, per_node)
+
+
+def outer_optimizer(comm: CommConfig) -> Component:
+    """comm=diloco's outer optimizer node as a component (built with the global weights)."""
+    component, _ = component_of("comm.outer_optim", comm.outer_optim)
+    return component
 
 
 def packaged_conf_dir() -> Path:

@@ -78,12 +78,14 @@ class Checkpointer:
         """Collective (the residuals' gather, a sharded model's state); only rank 0 writes."""
         residuals = self.feedback.gather() if self.feedback is not None else None
         model_state, optimizer_state = self.state.collect(replicas.module, optimizer)
+        extra = self.state.extra()
         if self.rank != 0:
             return
         if self.feedback is not None and residuals is None:  # the writer must be the default group's rank 0
             raise RuntimeError(f"rank {self.rank} writes checkpoints but is rank {dist.get_rank()} of the "
                                "default group, where the error-feedback residuals were gathered")
-        extra = {error_feedback.CHECKPOINT_KEY: residuals} if residuals is not None else {}
+        if residuals is not None:
+            extra[error_feedback.CHECKPOINT_KEY] = residuals
         save_checkpoint(self.directory, {
             "model": model_state, "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict(), "step": step, "data": stream.state(),
@@ -127,5 +129,6 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
     checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, run.layout, run.membership, rank, feedback, run.state)
     last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor, checkpointer,
                       run.start_step, cfg.comm.grad_as_bucket_view, device)
+    summary = getattr(replicas, "summary", None)  # what a replica kind adds to metrics.json (comm=diloco's)
     return processor.finish(replicas.local_models(), replicas.module, last, device, run_path, rank,
-                            replicas.shard_index)
+                            replicas.shard_index, summary() if summary is not None else None)

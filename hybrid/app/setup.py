@@ -24,6 +24,7 @@ from hybrid.app.components.optim import build_optimizer, build_scheduler
 from hybrid.app.config import COMM_ALGORITHMS, DataConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
 from hybrid.app.observability.metrics import Metrics
 from hybrid.app.observability.run_log import describe_run
+from hybrid.app.replicas.diloco import CHECKPOINT_KEY as DILOCO_KEY
 from hybrid.app.replicas.rank import SHARDED_STATE_KIND, PlainState, StateAccess
 from hybrid.app.state import error_feedback
 from hybrid.app.state.checkpoint import checkpoint_steps, load_checkpoint
@@ -133,15 +134,17 @@ def check_state_kind(saved: str, wanted: str, where: str) -> None:
 def restore_training(trainer: TrainerConfig, model_config: Component, run_path: Path, rank: int, now: RunLayout,
                      metrics: Metrics, model: nn.Module, optimizer: Any, scheduler: Any,
                      streams: Sequence[BatchStream], residual_signature: dict[str, Any] | None = None,
-                     access: StateAccess | None = None) -> tuple[int, dict[str, Any] | None, list[dict[str, Any]]]:
+                     access: StateAccess | None = None,
+                     ) -> tuple[int, dict[str, Any] | None, list[dict[str, Any]], dict[str, Any]]:
     """Load ``trainer.resume``'s checkpoint (or, after an elastic restart, this run's last one) into these
     objects; return the step to start at (0: a fresh run), this rank's error-feedback residuals where
     the checkpoint has them for a run of signature ``residual_signature`` (see :mod:`hybrid.app.state.error_feedback`;
-    None: this run does not compress), and the run's layout history. The checkpoint may come from another
+    None: this run does not compress), the run's layout history, and the checkpoint's entries that a replica
+    kind loads itself (comm=diloco's nodes: :data:`hybrid.app.replicas.diloco.CHECKPOINT_KEY`). The checkpoint may come from another
     layout (:mod:`hybrid.app.state.membership`). ``access``: how model and optimizer state load (default: their
     own ``load_state_dict``). Collective over the default group."""
     access = access or PlainState()
-    start_step, mine, history = 0, None, start_history(now)
+    start_step, mine, history, extra = 0, None, start_history(now), {}
     source = resume_target(trainer.resume, run_path)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
@@ -172,8 +175,9 @@ def restore_training(trainer: TrainerConfig, model_config: Component, run_path: 
             lr = apply_lr_policy(trainer.elastic_lr, saved, now, optimizer, scheduler)
             metrics.status(describe_change(saved, now, lr))
         mine = error_feedback.restore_residuals(saved_residuals, residual_signature, metrics.status)
+        extra = {key: state[key] for key in (DILOCO_KEY,) if key in state}
         metrics.status(f"resumed from step {start_step} of {source}")
-    return start_step, mine, history
+    return start_step, mine, history, extra
 
 
 @dataclass
@@ -193,6 +197,7 @@ class Training:
     layout: RunLayout
     membership: list[dict[str, Any]]  # the layout history, this run's last (see hybrid.app.state.membership)
     state: StateAccess  # how checkpoints read and load the model and optimizer
+    resumed_extra: dict[str, Any]  # the checkpoint's entries a replica kind loads itself (see restore_training)
 
 
 def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_sizes: Sequence[int],
@@ -214,7 +219,7 @@ def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_
                for rank in stream_ranks]
     signature = error_feedback.signature(cfg.comm, cfg.cluster.intra_mode, node_sizes)
     now = RunLayout(len(node_sizes), world_size, world_size * cfg.data.batch_size * cfg.trainer.grad_accum_steps)
-    start_step, residuals, history = restore_training(cfg.trainer, cfg.model, run_path, process_rank, now, metrics,
+    start_step, residuals, history, extra = restore_training(cfg.trainer, cfg.model, run_path, process_rank, now, metrics,
                                                       model, optimizer, scheduler, streams, signature, state)
     return Training(dataset, model, loss_fn, optimizer, scheduler, streams, start_step, signature, residuals, now,
-                    history, state)
+                    history, state, extra)

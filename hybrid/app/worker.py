@@ -28,10 +28,20 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app.components.losses import batch_loss
-from hybrid.app.config import TrainConfig
+from hybrid.app.config import DILOCO, TrainConfig
 from hybrid.app.loop import train_and_report
 from hybrid.app.observability.metrics import Metrics, NullMetrics, TensorBoardMetrics
 from hybrid.app.observability.run_metrics import describe_auto_calibration
+from hybrid.app.replicas.diloco import (
+    CHECKPOINT_KEY as DILOCO_KEY,
+)
+from hybrid.app.replicas.diloco import (
+    DilocoReplica,
+    DilocoState,
+    build_outer_sync,
+    diloco_group_kinds,
+    restore_node,
+)
 from hybrid.app.replicas.node_threads import NodeProcessCommunicator, NodeReplicas, replica_topology
 from hybrid.app.replicas.rank import RankReplica
 from hybrid.app.replicas.torch_hooks import register_torch_hook
@@ -53,7 +63,7 @@ from hybrid.core.topology import Topology, discover_topology
 from hybrid.runtime.distributed import broadcast_from_rank0, init_distributed, shutdown_distributed
 from hybrid.runtime.launch import PEER_GRACE_S, is_consequence
 
-__all__ = ["buffer_sync", "run_worker", "train_hsdp", "train_process_mode", "train_thread_mode", "train_worker"]
+__all__ = ["buffer_sync", "run_worker", "train_diloco", "train_hsdp", "train_process_mode", "train_thread_mode", "train_worker"]
 
 
 _BUFFER_SYNC_KEY = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
@@ -119,6 +129,8 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
     sharded by torch FSDP2)."""
     if cfg.comm.algorithm == "hsdp":
         return train_hsdp(cfg, topology, device, run_path, metrics, rank)
+    if cfg.comm.algorithm == DILOCO:
+        return train_diloco(cfg, topology, device, run_path, metrics, rank)
     run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank)
     ddp = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
@@ -158,6 +170,41 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
             # On failure the groups' sockets close when this process exits, after its error is recorded
             # (see run_worker): peers that fail on them then come second.
             groups.destroy()
+
+
+def train_diloco(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path, metrics: Metrics,
+                 rank: int) -> dict[str, Any] | None:
+    """comm=diloco: this rank's model under DDP over its node's group (gradients averaged inside the node every
+    step), and the outer loop among nodes every ``comm.sync_every`` steps (:mod:`hybrid.app.replicas.diloco`)."""
+    kinds = diloco_group_kinds(cfg.comm, topology)
+    state = DilocoState(topology)
+    run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank,
+                 state)
+    groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend, cfg.comm.timeout_s,
+                              kinds=kinds)
+    counters = PhaseCounters(StepRecorder(PHASES))  # the outer loop's exchanges: inter_allreduce, intra_broadcast
+    outer = state.outer = build_outer_sync(run.model, groups, cfg.comm, counters)
+    note = restore_node(run.resumed_extra.get(DILOCO_KEY), topology.node, run.model, run.optimizer, outer)
+    if note:
+        metrics.status(note)
+    ddp = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None, process_group=groups.intra,
+              bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
+              find_unused_parameters=cfg.comm.find_unused_parameters, **buffer_sync(run.model))
+    replicas = None
+    finished = False
+    try:
+        x, y = sample_batch(run.dataset, cfg.data.batch_size, device)
+        settle_buckets(ddp, None, lambda: batch_loss(ddp, x, y, run.loss_fn).backward())
+        replicas = DilocoReplica(ddp, run.streams[0], device, run.loss_fn, outer, topology, run.start_step,
+                                 cfg.trainer.max_steps, metrics.scalars, cfg.trainer.precision, counters.recorder)
+        result = train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, None)
+        finished = True
+        return result
+    finally:
+        if replicas is not None:
+            replicas.close()
+        if finished:
+            groups.destroy()  # on failure they close at exit, after this rank's error is recorded (run_worker)
 
 
 def train_hsdp(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path, metrics: Metrics,

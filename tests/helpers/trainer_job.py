@@ -37,8 +37,28 @@ MINE = ["model=mynet", "data=spirals", "loss=smoothed", "optim=adamw", "optim.lr
 # Gradients copied out of DDP's buckets here (the other path of settle_buckets and of zero_grad).
 HIERARCHICAL_BF16 = ["comm=hierarchical", "comm.inter_compression=bf16", "comm.grad_as_bucket_view=false"]
 SHARDED_FP16 = ["comm=sharded", "comm.inter_compression=fp16"]
+# comm=diloco. The algebra's exact case (H=1, outer SGD lr 1 without momentum, inner SGD without momentum) against
+# plain DDP with that inner SGD; and H=8 with the paper's outer optimizer, every step's replicas checked (each node's
+# workers every step, all four ranks after each outer step), straight and stopped at step 13, inside an interval.
+PLAIN_SGD = ["optim.momentum=0"]
+DILOCO_EXACT = ["comm=diloco", "comm.sync_every=1", "comm.outer_optim.lr=1.0", "comm.outer_optim.momentum=0",
+                "comm.outer_optim.nesterov=false", *PLAIN_SGD]
+DILOCO_H8 = ["comm=diloco", "comm.sync_every=8", "trainer.check_replicas_every=1", "trainer.checkpoint_every=4",
+             "trainer.keep_checkpoints=10"]
+# Streaming: 2 fragments, each exchange overlapped with the next inner step, fp8 on the wire, sharded.
+DILOCO_STREAMING = ["comm=diloco", "comm.sync_every=8", "comm.fragments=2", "comm.overlap=true", "comm.inter=sharded",
+                    "comm.inter_compression=fp8", "trainer.check_replicas_every=1"]
 PLANS = {
     "2x2": [(c, [f"comm={c}"]) for c in COMMS] + [
+        ("ddp-plain-sgd", ["comm=ddp", *PLAIN_SGD]),
+        ("diloco-exact", DILOCO_EXACT),
+        ("diloco-exact-sharded", [*DILOCO_EXACT, "comm.inter=sharded"]),
+        ("diloco-h8", DILOCO_H8),
+        ("diloco-h8-resumed", [*DILOCO_H8, "trainer.stop_after=13"]),
+        ("diloco-h8-resumed", [*DILOCO_H8, "trainer.resume=true"]),
+        ("diloco-streaming", DILOCO_STREAMING),
+        ("diloco-streaming-resumed", [*DILOCO_STREAMING, "trainer.stop_after=9"]),
+        ("diloco-streaming-resumed", [*DILOCO_STREAMING, "trainer.resume=true"]),
         ("straight", ["trainer.max_steps=40"]),
         ("resumed", ["trainer.max_steps=40", "trainer.stop_after=20"]),
         ("resumed", ["trainer.max_steps=40", "trainer.resume=true"]),

@@ -10,7 +10,7 @@ from typing import Iterable
 import torch
 
 from hybrid.app.config import OptimConfig
-from hybrid.app.targets import ComponentError
+from hybrid.app.targets import Component, ComponentError
 
 __all__ = ["build_optimizer", "build_scheduler", "check_optimizer", "lr_factor"]
 
@@ -24,13 +24,15 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> t
     return optimizer
 
 
-def check_optimizer(cfg: OptimConfig) -> None:
+def check_optimizer(optimizer: Component) -> None:
     """What :func:`build_optimizer` would refuse, found without building one (constructing the first optimizer
     imports torch's compiler stack, over a second that every ``hybrid.train`` call would pay up front): the
-    target must be an optimizer class, take these arguments, and get numbers where its defaults are numbers."""
-    factory = cfg.optimizer.build()  # a functools.partial of the class: nothing constructed yet
+    target must be an optimizer class, take these arguments, and get numbers where its defaults are numbers.
+    ``optimizer``: the ``optim`` node's, or another optimizer node's (``comm.outer_optim``)."""
+    factory = optimizer.build()  # a functools.partial of the class: nothing constructed yet
     cls, args, kwargs = getattr(factory, "func", factory), getattr(factory, "args", ()), getattr(factory, "keywords", {})
-    where = f"optim._target_={cfg.optimizer.target}"
+    key = optimizer.key
+    where = f"{key}._target_={optimizer.target}"
     if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)):
         raise ComponentError(f"{where} is not a torch.optim.Optimizer class")
     signature = inspect.signature(cls)
@@ -42,10 +44,10 @@ def check_optimizer(cfg: OptimConfig) -> None:
         default = signature.parameters[name].default if name in signature.parameters else None
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if isinstance(default, (int, float)) and not isinstance(default, bool) and not number:
-            raise ComponentError(f"optim.{name}={value!r} is not a number ({cls.__name__}'s default is {default!r})")
+            raise ComponentError(f"{key}.{name}={value!r} is not a number ({cls.__name__}'s default is {default!r})")
     lr = kwargs.get("lr")
     if isinstance(lr, (int, float)) and not lr > 0:
-        raise ComponentError(f"optim.lr={lr!r} must be > 0")
+        raise ComponentError(f"{key}.lr={lr!r} must be > 0")
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -177,10 +177,12 @@ class MetricsProcessor:
         self._interval_start, self._interval_steps = time.perf_counter(), 0
 
     def finish(self, local_models: list[nn.Module], leader: nn.Module, last: int, device: torch.device,
-               run_path: Path, rank: int, shard_index: int = 0) -> dict[str, Any] | None:
+               run_path: Path, rank: int, shard_index: int = 0, extra: dict[str, Any] | None = None,
+               ) -> dict[str, Any] | None:
         """Gather every process's checksums and peak memory (collective); rank 0 writes metrics.json and the
         HParams and returns the result, the others None. Checksums agree among ranks of one ``shard_index``
-        (comm=hsdp: the holders of one shard; rank 0's is then of its shard)."""
+        (comm=hsdp: the holders of one shard; rank 0's is then of its shard). ``extra``: more entries for
+        metrics.json (rank 0's)."""
         if self.timeline is not None:
             self.timeline.finish(last)
         self.accounts.exchange()  # steps since the last log step (none where the run ended on one)
@@ -211,6 +213,7 @@ class MetricsProcessor:
             result["nic_tx_bytes_per_step"] = max(per_node)
         if isinstance(self.comm, AutoCommunicator):
             result["comm_auto"] = self.comm.report()
+        result.update(extra or {})
         self._log_hparams(result)
         write_json_atomic(run_path / "metrics.json", result)
         return result

@@ -122,6 +122,9 @@ class ShardedState:
              optimizer_state: dict[str, Any]) -> None:
         load_full_state(model, optimizer, model_state, optimizer_state)
 
+    def extra(self) -> dict[str, Any]:
+        return {}
+
 
 class HsdpReplica:
     """The loop's view of an FSDP2-sharded model: this rank's shards, which ranks of the same shard index

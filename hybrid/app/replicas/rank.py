@@ -85,6 +85,9 @@ class StateAccess(Protocol):
              optimizer_state: dict[str, Any]) -> None:
         """Load full state dicts (every rank has them)."""
 
+    def extra(self) -> dict[str, Any]:
+        """Entries of the checkpoint besides model and optimizer, from the last ``collect`` (rank 0's)."""
+
 
 # state_dict_kind of a checkpoint written through torch's distributed state-dict API (comm=hsdp: optimizer state
 # keyed by parameter name, where torch's Optimizer.state_dict keys it by position): which loader a resume needs.
@@ -106,6 +109,9 @@ class PlainState:
              optimizer_state: dict[str, Any]) -> None:
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
+
+    def extra(self) -> dict[str, Any]:
+        return {}
 
 
 class RankReplica:

@@ -43,7 +43,7 @@ CHECKPOINT_KEY = "error_feedback"
 def signature(comm: CommConfig, intra_mode: str, node_sizes: Sequence[int]) -> dict[str, Any] | None:
     """What the residuals' keys and owners depend on: equal signatures mean they apply as saved. None where
     the run keeps no residuals (no ``inter_compression``; the same on every rank: it is the config)."""
-    if comm.inter_compression == "none":
+    if comm.inter_compression == "none" or comm.algorithm == "diloco":  # diloco's pseudo-gradients keep none
         return None
     return {"comm": comm.algorithm, "inter_compression": comm.inter_compression,
             "intra_mode": intra_mode, "node_sizes": list(node_sizes),

@@ -1,0 +1,163 @@
+"""comm=diloco in the trainer: each node a DiLoCo worker, its workers in step every step, nodes every H steps.
+
+The node's workers run torch DDP over the node's own process group (DDP's
+``process_group``), so their gradients are averaged over the fast intra-node
+link every step and every worker of a node holds the same weights after each
+step. Across nodes, :class:`hybrid.core.diloco.OuterSync` averages the
+pseudo-gradients every ``comm.sync_every`` steps and applies the outer
+optimizer (``comm.outer_optim``); the run ends with a sync, so every rank
+finishes with the same model.
+
+Between syncs the nodes hold different weights and inner optimizer states, so
+a checkpoint keeps every node's (gathered to rank 0, which writes), with the
+global weights, the outer optimizer's state and any exchange in flight: a
+resume anywhere inside an interval continues bitwise. The checkpoint's
+``model`` and ``optimizer`` are node 0's, so any comm can resume it (from node
+0's weights) and DiLoCo can resume any comm's checkpoint (every node from its
+weights). After an elastic change of the node count, node k continues from
+the saved node k's state (a node beyond the saved ones from node 0's).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hybrid.app.components.data import BatchStream
+from hybrid.app.components.losses import LossFn
+from hybrid.app.config import CommConfig, outer_optimizer
+from hybrid.app.replicas.rank import PlainState, RankReplica
+from hybrid.core.comm import CommGroups, PhaseCounters
+from hybrid.core.diloco import OuterSync
+from hybrid.core.timeline import StepRecorder
+from hybrid.core.topology import Topology
+
+__all__ = ["CHECKPOINT_KEY", "DilocoReplica", "DilocoState", "diloco_group_kinds", "restore_node", "build_outer_sync"]
+
+CHECKPOINT_KEY = "diloco"
+
+
+def diloco_group_kinds(comm: CommConfig, topology: Topology) -> tuple[str, ...]:
+    """The groups comm=diloco talks over: the node's (DDP's, and the mean spread inside it), and the leaders or
+    the same-local-rank groups among nodes. One line where sharded cannot run."""
+    if comm.inter == "sharded" and not topology.is_uniform:
+        raise ValueError(f"comm.inter=sharded needs nodes of equal size; these have {list(topology.node_sizes)} "
+                         "workers: use comm.inter=hierarchical")
+    return ("intra", "leaders") if comm.inter == "hierarchical" else ("intra", "cross")
+
+
+def build_outer_sync(model: nn.Module, groups: CommGroups, comm: CommConfig, counters: PhaseCounters) -> OuterSync:
+    """The outer loop over ``model``'s parameters, as ``comm`` configures it. Collective."""
+    factory = outer_optimizer(comm).build()
+
+    def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        built = factory(params)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise ValueError(f"comm.outer_optim._target_ gave a {type(built).__name__}, not a torch.optim.Optimizer")
+        return built
+
+    return OuterSync(model.parameters(), groups, sync_every=comm.sync_every, outer_optimizer=outer,
+                     inter=comm.inter, fragments=comm.fragments, compression=comm.inter_compression,
+                     overlap=comm.overlap, counters=counters)
+
+
+def restore_node(saved: dict[str, Any] | None, node: int, model: nn.Module, optimizer: Any,
+                 outer: OuterSync) -> str | None:
+    """Load this node's part of a DiLoCo checkpoint (``saved``: its :data:`CHECKPOINT_KEY` entry; None: the run
+    is fresh or resumes another comm's checkpoint, whose weights every node already holds). The inner
+    optimizer's state is loaded without its param groups, which the resume has set (a changed LR policy).
+    Returns a status line where the node count changed."""
+    if not saved:
+        return None
+    nodes = saved["nodes"]
+    entry = nodes[node] if node < len(nodes) else nodes[0]
+    if node != 0:
+        model.load_state_dict(entry["model"])
+        optimizer.load_state_dict({"state": entry["optimizer"]["state"],
+                                   "param_groups": optimizer.state_dict()["param_groups"]})
+    outer.load_state_dict(entry["outer"])
+    return None if node < len(nodes) else (f"diloco: node {node} is new since the checkpoint ({len(nodes)} "
+                                            "node(s)); it continues from node 0's weights")
+
+
+class DilocoState(PlainState):
+    """Checkpoints of comm=diloco: every node's model and inner optimizer state and its part of the outer loop,
+    gathered to rank 0 (one message per node leader over the default group); node 0's as the checkpoint's
+    ``model`` and ``optimizer``, so it also resumes as a plain checkpoint. Set ``outer`` before the first save."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.outer: OuterSync | None = None
+        self._nodes: list[dict[str, Any]] | None = None
+
+    def collect(self, model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self.outer is None:
+            raise RuntimeError("DilocoState.outer is not set: build the OuterSync before the first checkpoint")
+        outer = self.outer.state_dict()  # collective where an exchange is in flight: on every rank
+        mine = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "outer": outer}
+        leader = self.topology.is_leader
+        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine if leader else None, gathered, dst=0)
+        self._nodes = [g for g in gathered if g is not None] if gathered is not None else None
+        return mine["model"], mine["optimizer"]
+
+    def extra(self) -> dict[str, Any]:
+        return {CHECKPOINT_KEY: {"nodes": self._nodes}} if self._nodes is not None else {}
+
+
+class DilocoReplica(RankReplica):
+    """This rank's model under DDP over its node, and the outer loop among nodes after each inner step.
+
+    Ranks that must hold the same bits (``shard_index``): every rank after a sync of the whole model, else the
+    ranks of one node. Logs, at each outer step: ``diloco/outer_steps``, ``diloco/pseudo_grad_norm`` and rank
+    0's loss just before the sync and at the step after it (``diloco/loss_before_sync``, ``loss_after_sync``),
+    through ``log_scalars(step, values)`` (the run's TensorBoard metrics)."""
+
+    def __init__(self, ddp: DDP, stream: BatchStream, device: torch.device, loss_fn: LossFn, outer: OuterSync,
+                 topology: Topology, start_step: int, max_steps: int,
+                 log_scalars: Callable[[int, dict[str, float]], None], precision: str = "fp32",
+                 recorder: StepRecorder | None = None) -> None:
+        super().__init__(ddp, stream, device, loss_fn, precision, recorder)
+        self.outer, self.node, self.log_scalars = outer, topology.node, log_scalars
+        self.inner_step, self.max_steps = start_step, max_steps
+        self._loss: torch.Tensor | None = None
+        self._after_sync = False
+
+    @property
+    def shard_index(self) -> int:  # type: ignore[override]
+        return 0 if self.outer.identical_everywhere else self.node
+
+    def forward_backward(self, accum: int) -> torch.Tensor:
+        loss = self._loss = super().forward_backward(accum)
+        if self._after_sync:
+            self.log_scalars(self.inner_step + 1, {"diloco/loss_after_sync": float(loss)})
+            self._after_sync = False
+        return loss
+
+    def end_step(self) -> None:
+        self.inner_step += 1
+        before = self.outer.syncs
+        self.outer.step(self.inner_step)
+        if self.inner_step == self.max_steps:
+            self.outer.finish(self.inner_step)  # every rank ends with the same model
+        if self.outer.syncs != before:
+            values = {"diloco/outer_steps": float(self.outer.syncs),
+                      "diloco/pseudo_grad_norm": self.outer.last_pseudo_grad_norm}
+            if self._loss is not None:
+                values["diloco/loss_before_sync"] = float(self._loss)
+            self.log_scalars(self.inner_step, values)
+            self._after_sync = True
+
+    def summary(self) -> dict[str, Any]:
+        """What metrics.json says of the outer loop."""
+        outer = self.outer
+        return {"diloco": {"sync_every": outer.sync_every, "fragments": len(outer.fragments), "inter": outer.inter,
+                           "overlap": outer.overlap, "compression": outer.compression, "outer_steps": outer.syncs,
+                           "bytes_per_sync": outer.bytes_per_sync,
+                           "inter_bytes_per_step": outer.bytes_per_sync / outer.sync_every,
+                           "last_pseudo_grad_norm": outer.last_pseudo_grad_norm}}
+
