@@ -55,6 +55,13 @@ def test_compose_settings_is_the_trainers_config_and_rejects_uneven_layouts():
     compressed = compose_settings([], "2x2", "sharded+bf16", 5, 0.0)  # hybrid's 16-bit inter-node hop
     assert (compressed.comm.torch_hook, compressed.comm.inter_compression) == ("none", "bf16")
     assert compose_settings([], "2x2", "hsdp", 5, 0.0).comm.algorithm == "hsdp"
+    # One command, two networks: a comm@loopback runs without the testbed's shaped NICs; comm=diloco's own keys
+    # reach its configurations only (comm=ddp would refuse comm.sync_every).
+    diloco = compose_settings(["comm.sync_every=8"], "2x4", "diloco+fp8", 5, 50.0)
+    assert (diloco.comm.algorithm, diloco.comm.sync_every, diloco.comm.inter_compression) == ("diloco", 8, "fp8")
+    assert diloco.cluster.testbed.enabled and diloco.cluster.testbed.link_mbit == 50.0
+    ceiling = compose_settings(["comm.sync_every=8"], "2x4", "ddp@loopback", 5, 50.0)
+    assert (ceiling.comm.algorithm, ceiling.cluster.testbed.enabled) == ("ddp", False)
     with pytest.raises(ValueError, match="'3,1'"):
         compose_settings([], "3,1", "flat", 5, 0.0)
 
@@ -64,6 +71,7 @@ def test_compose_settings_is_the_trainers_config_and_rejects_uneven_layouts():
     "args,needle",
     [
         (["--comms", "ddp,bogus"], "'ddp,bogus'"),
+        (["--comms", "ddp@wan,diloco"], "'ddp@wan,diloco'"),
         (["--steps", "1"], "--steps 1"),
         (["--layouts", "2y2"], "'2y2'"),
         (["model.width=-3"], "model.width=-3"),

@@ -10,7 +10,8 @@ drift of the machine hits every configuration alike, and reports per
 configuration:
 
 - samples/s: samples per step / the median step time of that run (the
-  first step, with its warm-up, is left out), median over the rounds;
+  first step, with its warm-up, is left out; comm=diloco: the mean step,
+  since one step in ``comm.sync_every`` carries its sync), median over the rounds;
 - the ratio to the baseline comm (``ddp``: plain torch DDP) on the same layout:
   per round, this run's samples/s over the baseline's run of that round
   (back to back), then the median over rounds, and the range;
@@ -23,7 +24,11 @@ Trailing arguments are Hydra overrides of the training config (``conf/``),
 e.g. ``model.width=1024 model.depth=6 data.batch_size=8``; ``--config-dir``
 adds a directory of your own configs, so the comparison runs on your model and
 data (``--config-dir myconf model=mynet data=mydata``). ``--testbed-mbit``
-runs every node in its own network namespace behind a shaped NIC.
+runs every node in its own network namespace behind a shaped NIC; a comm
+written ``NAME@loopback`` runs without it in the same command (the compute
+ceiling, e.g. ``--comms ddp@loopback,diloco --testbed-mbit 50``). comm=diloco's
+own keys among the overrides (``comm.sync_every=8``) apply to its
+configurations only.
 """
 
 from __future__ import annotations
@@ -43,10 +48,21 @@ from hybrid.core.topology import Layout
 __all__ = ["TrainBenchOptions", "bench_settings", "compose_settings", "main", "run_train_bench", "summarise"]
 
 # "hierarchical+bf16" etc.: that comm with comm.inter_compression set (its inter-node hop in 16 bits);
-# "ddp+fp16" etc.: plain DDP with one of torch's own hooks (comm.torch_hook); "hsdp": torch FSDP2 on a 2-D mesh.
+# "ddp+fp16" etc.: plain DDP with one of torch's own hooks (comm.torch_hook); "hsdp": torch FSDP2 on a 2-D mesh;
+# "diloco+fp8" etc.: DiLoCo with its pseudo-gradients in that format. Any of them with LOOPBACK appended runs
+# without the testbed's shaped NICs.
 BENCH_COMMS = ("ddp", "flat", "hierarchical", "sharded", "auto", "hsdp",
                *(f"{c}+{k}" for c in ("hierarchical", "sharded") for k in ("bf16", "fp16")),
-               *(f"ddp+{h}" for h in ("bf16", "fp16", "powersgd")))
+               *(f"ddp+{h}" for h in ("bf16", "fp16", "powersgd")),
+               "diloco", *(f"diloco+{k}" for k in ("bf16", "fp16", "fp8")))
+LOOPBACK = "@loopback"
+# comm=diloco's own keys: among the overrides, they apply to its configurations and are left out of the others'.
+DILOCO_KEYS = ("comm.sync_every", "comm.inter", "comm.fragments", "comm.overlap", "comm.outer_optim")
+
+
+def known_comm(spec: str) -> bool:
+    """Whether ``spec`` is one of BENCH_COMMS, with or without LOOPBACK."""
+    return spec.removesuffix(LOOPBACK) in BENCH_COMMS
 
 
 @dataclass
@@ -69,13 +85,16 @@ def compose_settings(overrides: list[str], layout: str, comm: str, steps: int, t
     parsed = Layout.parse(layout)
     if not parsed.is_uniform:
         raise ValueError(f"layout {layout!r}: the trainer runs uniform layouts only (NNODESxNPROC, e.g. 2x4)")
-    algorithm, _, variant = comm.partition("+")
+    loopback = comm.endswith(LOOPBACK)
+    algorithm, _, variant = comm.removesuffix(LOOPBACK).partition("+")
     key = "comm.torch_hook" if algorithm == "ddp" else "comm.inter_compression"
+    if algorithm != "diloco":
+        overrides = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith(DILOCO_KEYS)]
     ours = [f"comm={algorithm}", *([f"{key}={variant}"] if variant else []),
             f"cluster.nnodes={parsed.nnodes}", f"cluster.nproc_per_node={parsed.node_sizes[0]}",
             f"trainer.max_steps={steps}", f"trainer.log_every={steps}", "trainer.checkpoint_every=0",
             "trainer.resume=false", "trainer.stop_after=0"]
-    if testbed_mbit:
+    if testbed_mbit and not loopback:
         ours += ["cluster.testbed.enabled=true", f"cluster.testbed.link_mbit={testbed_mbit}"]
     return compose_train_config(list(overrides) + ours, user_dirs=[Path(d) for d in config_dirs])
 
@@ -88,9 +107,12 @@ def _one_run(settings: Any) -> dict[str, Any]:
         result = launch_job(settings, run_worker, (settings, run_dir))[0]
     if not result.get("param_checksums_identical"):
         raise RuntimeError(f"comm={settings.comm.algorithm}: replicas diverged (parameter checksums differ)")
+    # comm=diloco's steps are not alike: one in sync_every carries the exchange among nodes, which a median
+    # would leave out; its speed is taken from the mean step (the others' from the median, robust to hiccups).
+    step_s = result["mean_step_s"] if settings.comm.algorithm == "diloco" else result["median_step_s"]
     return {
-        "samples_per_s": result["samples_per_step"] / result["median_step_s"],
-        "median_step_s": result["median_step_s"],
+        "samples_per_s": result["samples_per_step"] / step_s,
+        "median_step_s": step_s,
         "peak_rss_mb": result["peak_rss_mb"],
         "comm_s_per_step": sum(result["comm_s"].values()) / max(1, result["steps_run"]),
         "param_bytes": result["param_bytes"],
@@ -170,7 +192,8 @@ def format_table(report: dict[str, Any]) -> str:
     o = report["options"]
     head = (f"trainer benchmark: {o['steps']} steps x {o['rounds']} rounds per configuration, "
             f"{report['param_bytes'] / 2**20:.1f} MiB of gradients"
-            + (f", testbed NICs shaped to {o['testbed_mbit']:g} Mbit/s" if o["testbed_mbit"] else ", loopback")
+            + (f", testbed NICs shaped to {o['testbed_mbit']:g} Mbit/s (not for comms{LOOPBACK})"
+               if o["testbed_mbit"] else ", loopback")
             + (f"; overrides: {' '.join(o['overrides'])}" if o["overrides"] else ""))
     base = o["baseline"]
     cols = (f"{'layout':>7} {'comm':>12} {'samples/s':>10} {'min..max':>15} {'step ms':>8} "
@@ -207,7 +230,8 @@ def _parser() -> argparse.ArgumentParser:
                "model.width=1024 model.depth=6 data.batch_size=8",
     )
     p.add_argument("--layouts", default="2x2", help="comma-separated NNODESxNPROC layouts, e.g. 1x1,2x2,2x4 (default 2x2)")
-    p.add_argument("--comms", default="ddp,flat", help=f"comma-separated subset of {','.join(BENCH_COMMS)} (default ddp,flat)")
+    p.add_argument("--comms", default="ddp,flat", help=f"comma-separated subset of {','.join(BENCH_COMMS)}; "
+                   f"NAME{LOOPBACK}: without the testbed (default ddp,flat)")
     p.add_argument("--steps", type=int, default=20, help="training steps per run (default 20; the first is not timed)")
     p.add_argument("--rounds", type=int, default=3, help="runs of every configuration, alternating (default 3)")
     p.add_argument("--baseline", default="ddp", help="the comm the ratios are taken against (default ddp)")
@@ -226,11 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     comms = [x.strip() for x in args.comms.split(",") if x.strip()]
-    bad = [c for c in comms if c not in BENCH_COMMS]
+    bad = [c for c in comms if not known_comm(c)]
     if bad or not comms:
-        p.error(f"--comms {args.comms!r}: allowed are {', '.join(BENCH_COMMS)}")
-    if args.baseline not in BENCH_COMMS:
-        p.error(f"--baseline {args.baseline!r}: allowed are {', '.join(BENCH_COMMS)}")
+        p.error(f"--comms {args.comms!r}: allowed are {', '.join(BENCH_COMMS)}, each also with {LOOPBACK}")
+    if not known_comm(args.baseline):
+        p.error(f"--baseline {args.baseline!r}: allowed are {', '.join(BENCH_COMMS)}, each also with {LOOPBACK}")
     if args.steps < 2 or args.rounds < 1:
         p.error(f"--steps {args.steps} must be >= 2 and --rounds {args.rounds} >= 1")
     if args.testbed_mbit < 0:
