@@ -33,13 +33,22 @@ COMMON = ["comm=hierarchical", "comm.timeout_s=120", "optim.lr=0.1", "trainer.lo
           "data.kind=vectors", f"data.num_samples={N}", f"data.batch_size={BATCH}", f"data.root={ROOT / 'data'}"]
 RECORDS = ROOT / "records"  # a resumed run keeps the model config of the one it resumes, record dir included
 FIRST = ROOT / "2x2" / "first"
+# comm=diloco, every 4 steps: stopped at step 10, two steps after a sync (the nodes' weights differ), then resumed
+# on 3 nodes (node 2 is new) and on 1; "-0" resumes without running a step, so its checkpoint shows what each
+# node loaded.
+DILOCO = ["comm=diloco", "comm.sync_every=4", f"+model.record_dir={ROOT / 'diloco-records'}"]
+DILOCO_FIRST = ROOT / "2x2" / "diloco-first"
 PLANS = {
     "2x2": [("straight", ["trainer.max_steps=20", f"+model.record_dir={ROOT / 'straight-records'}"]),
-            ("first", ["trainer.max_steps=20", "trainer.stop_after=10", f"+model.record_dir={RECORDS}"])],
+            ("first", ["trainer.max_steps=20", "trainer.stop_after=10", f"+model.record_dir={RECORDS}"]),
+            ("diloco-first", [*DILOCO, "trainer.max_steps=20", "trainer.stop_after=10"])],
     "1x2": [("accum", ["trainer.max_steps=20", "trainer.grad_accum_steps=2", f"+model.record_dir={RECORDS}",
-                       f"trainer.resume={FIRST}"])],
+                       f"trainer.resume={FIRST}"]),
+            ("diloco-one", [*DILOCO, "trainer.max_steps=20", f"trainer.resume={DILOCO_FIRST}"])],
     "3x1": [("three", ["trainer.max_steps=18", "trainer.elastic_lr=scale", f"+model.record_dir={RECORDS}",
-                       f"trainer.resume={FIRST}"])],
+                       f"trainer.resume={FIRST}"]),
+            ("diloco-three-0", [*DILOCO, "trainer.max_steps=10", f"trainer.resume={DILOCO_FIRST}"]),
+            ("diloco-three", [*DILOCO, "trainer.max_steps=20", f"trainer.resume={DILOCO_FIRST}"])],
 }
 
 
@@ -118,6 +127,29 @@ def test_elastic_lr_scale_follows_the_global_batch_and_the_history_says_why():
     first, three = checkpoint(FIRST), checkpoint(ROOT / "3x1" / "three")
     assert three["scheduler"]["base_lrs"] == pytest.approx([b * 24 / 32 for b in first["scheduler"]["base_lrs"]])
     assert three["membership"] == metrics["membership"] and three["global_batch"] == 24
+
+
+def test_diloco_resumed_on_more_or_fewer_nodes_continues_each_nodes_own_weights_and_ends_as_one():
+    """A 2-node DiLoCo checkpoint taken between syncs holds two different models. Resumed on 3 nodes, nodes 0 and 1
+    continue from their own saved weights, inner optimizer state and the outer loop's, the new node 2 from node
+    0's; the next syncs average over three and the run ends with one model. Resumed on 1 node: it continues
+    node 0's and ends."""
+    results = job("3x1")
+    saved = checkpoint(DILOCO_FIRST)["diloco"]["nodes"]
+    assert len(saved) == 2 and any(not torch.equal(saved[0]["model"][k], saved[1]["model"][k]) for k in saved[0]["model"])
+    loaded = checkpoint(ROOT / "3x1" / "diloco-three-0")["diloco"]["nodes"]
+    for node, source in zip(loaded, (saved[0], saved[1], saved[0])):
+        for key in source["model"]:
+            assert torch.equal(node["model"][key], source["model"][key]), key
+        for s1, s2 in zip(node["optimizer"]["state"].values(), source["optimizer"]["state"].values()):
+            assert torch.equal(s1["momentum_buffer"], s2["momentum_buffer"])
+        for g1, g2 in zip(node["outer"]["global_params"], source["outer"]["global_params"]):
+            assert torch.equal(g1, g2)
+    three = results["diloco-three"]
+    assert three["param_checksums_identical"] and three["nnodes"] == 3 and three["steps_run"] == 10
+    assert three["diloco"]["outer_steps"] == saved[0]["outer"]["syncs"] + 3  # at 12, 16 and 20
+    one = job("1x2")["diloco-one"]
+    assert one["param_checksums_identical"] and one["nnodes"] == 1 and one["steps_run"] == 10
 
 
 # 3x1 and 3x2 with comm=hierarchical pass too (run by hand with this test: 28 s and 44 s here); for its time CI
