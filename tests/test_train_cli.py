@@ -250,16 +250,29 @@ def test_a_sweeps_runs_are_named_by_their_overrides_in_tensorboard_and_a_resume_
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
     sweep = tmp_path / "sweep"
-    first = hybrid_train("-m", *SMALL, "cluster=1x2,2x1", "comm=hierarchical", f"data.root={tmp_path / 'data'}",
+    first = hybrid_train("-m", *SMALL, "cluster=1x2,2x1", "comm=hierarchical,diloco", f"data.root={tmp_path / 'data'}",
                          f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
-    names = sorted(EventMultiplexer().AddRunsFromDirectory(str(sweep)).Runs())
-    assert [n.split("_")[0] for n in names] == ["00", "01"], names  # in launch order, unique
+    multiplexer = EventMultiplexer().AddRunsFromDirectory(str(sweep))
+    multiplexer.Reload()
+    names = sorted(multiplexer.Runs())
+    assert [n.split("_")[0] for n in names] == ["00", "01", "02", "03"], names  # in launch order, unique
     for name in names:
         job, tb = name.split("/")
         metrics = json.loads((sweep / job / "metrics.json").read_text())
-        # Named by what the sweep varies (the layout), not by the overrides every job shares (comm, data.root).
-        assert tb == "tb" and job == f"{job[:2]}_cluster:{metrics['nnodes']}x{metrics['nproc_per_node']}", name
+        # Named by what the sweep varies, not by the overrides every job shares (data.root, the SMALL keys).
+        assert tb == "tb" and job == (f"{job[:2]}_cluster:{metrics['nnodes']}x{metrics['nproc_per_node']}"
+                                      f"+comm:{metrics['comm']}"), name
+        # comm=diloco's outer loop in TensorBoard: its one sync (H=32 > 6 steps: the final one) at the last step,
+        # with rank 0's loss of that step.
+        diloco = {tag: multiplexer.Scalars(name, tag) for tag in multiplexer.GetAccumulator(name).Tags()["scalars"]
+                  if tag.startswith("diloco/")}
+        if metrics["comm"] == "diloco":
+            assert metrics["diloco"]["outer_steps"] == 1 and metrics["param_checksums_identical"]
+            assert [(e.step, e.value) for e in diloco["diloco/outer_steps"]] == [(6, 1.0)], name
+            assert set(diloco) == {"diloco/outer_steps", "diloco/pseudo_grad_norm", "diloco/loss_before_sync"}
+        else:
+            assert diloco == {}, name
     assert {json.loads((sweep / n.split("/")[0] / "metrics.json").read_text())["nnodes"] for n in names} == {1, 2}
     # The report reads these real runs: a headline per shape, and no inf or nan anywhere in it.
     from hybrid.tools.report import main as report
@@ -290,7 +303,7 @@ def test_help_lists_the_config_groups(tmp_path):
     assert out.returncode == 0
     for line in ("cluster: 1x2, 1x4, 2x1, 2x2, 2x4, 4x1, 4x2, local", "comm: auto, ddp, diloco, flat, hierarchical, hsdp, sharded",
                  "model: cnn, gpt2, mlp, transformer", "data: files, synthetic, text", "optim: adamw, sgd", "trainer: default",
-                 "experiment: auto_vs_fixed, flat_vs_hier, flat_vs_hier_small"):
+                 "experiment: auto_vs_fixed, diloco, flat_vs_hier, flat_vs_hier_small"):
         assert line in out.stdout
     # It opens with what hybrid is, not Hydra's stock header, and says where the docs are.
     assert out.stdout.startswith("hybrid: data-parallel PyTorch training"), out.stdout[:200]
