@@ -318,3 +318,15 @@ def test_a_loopback_sweep_says_so_on_the_figure_and_in_the_headline(tmp_path):
            "than hierarchical (runner-up; 100 ms against 120 ms). Communication per step (rank 0's time in phase " \
            "calls): hierarchical 60 ms, flat 50 ms." in report
     assert report_figure(load_jobs(tmp_path)).get_suptitle().startswith("no network limit (loopback)")
+
+
+def test_a_diloco_job_is_named_by_its_schedule_so_a_sweep_over_h_keeps_its_jobs_apart():
+    from hybrid.tools.report import comm_label
+
+    def label(**comm):
+        return comm_label(OmegaConf.create(comm))
+
+    assert label(algorithm="diloco", sync_every=32) == "diloco:h32"
+    assert label(algorithm="diloco", sync_every=8, fragments=4, overlap=True, inter_compression="fp8") == \
+        "diloco:h8:f4:overlap+fp8"
+    assert label(algorithm="hierarchical", inter_compression="bf16") == "hierarchical+bf16"

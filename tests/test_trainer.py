@@ -515,7 +515,8 @@ def test_diloco_in_its_exact_case_is_ddp_and_at_h8_keeps_nodes_in_step_and_resum
     outer Nesterov SGD, inner SGD with momentum), every step's replicas checked by the trainer: each node's two
     workers every step, all four after each outer step (a run that broke either stops with ReplicaDivergence);
     checkpoints at 8 and 16 hold one model on both nodes, those at 4 and 12 two; stopped at step 13 (inside an
-    interval) and resumed, bitwise the straight run, every node's weights and optimizer state."""
+    interval) and resumed, bitwise the straight run, every node's weights and optimizer state; the timeline shows
+    the exchange in the sync step only."""
     root, results = job("2x2")
     reference = model_state(root / "ddp-plain-sgd")
     for name in ("diloco-exact", "diloco-exact-sharded"):
@@ -535,6 +536,12 @@ def test_diloco_in_its_exact_case_is_ddp_and_at_h8_keeps_nodes_in_step_and_resum
         same = all(torch.equal(first["model"][k], second["model"][k]) for k in first["model"])
         assert same == (step % 8 == 0 or step == 20), step
     assert h8["bytes"]["inter_allreduce"] > 0 and h8["bytes"]["flat_allreduce"] == 0
+    # The timeline of steps 7-9: the exchange among nodes only in step 8 (leaders: inter_allreduce; every rank: the
+    # mean spread inside its node).
+    spans = [e for e in json.loads((root / "diloco-h8" / "timeline.json").read_text())["traceEvents"]
+             if e["ph"] == "X" and e["cat"] == "comm"]
+    assert {(e["name"], e["args"]["step"]) for e in spans} == {("inter_allreduce", 8), ("intra_broadcast", 8)}
+    assert {e["args"]["rank"] for e in spans if e["name"] == "inter_allreduce"} == {0, 2}
     resumed = results["diloco-h8-resumed"]
     assert resumed["steps_run"] == 7 and resumed["param_checksum"] == h8["param_checksum"]
     for straight, again in zip(nodes("diloco-h8", 20), nodes("diloco-h8-resumed", 20)):

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -31,6 +30,7 @@ from hybrid.app.components.data import BatchStream
 from hybrid.app.components.losses import LossFn
 from hybrid.app.config import CommConfig, outer_optimizer
 from hybrid.app.replicas.rank import PlainState, RankReplica
+from hybrid.app.state.to_rank0 import gather_to_rank0
 from hybrid.core.comm import CommGroups, PhaseCounters
 from hybrid.core.diloco import OuterSync
 from hybrid.core.timeline import StepRecorder
@@ -86,7 +86,7 @@ def restore_node(saved: dict[str, Any] | None, node: int, model: nn.Module, opti
 
 class DilocoState(PlainState):
     """Checkpoints of comm=diloco: every node's model and inner optimizer state and its part of the outer loop,
-    gathered to rank 0 (one message per node leader over the default group); node 0's as the checkpoint's
+    gathered to rank 0 (one message per node leader over the default group, none from the other ranks); node 0's as the checkpoint's
     ``model`` and ``optimizer``, so it also resumes as a plain checkpoint. Set ``outer`` before the first save."""
 
     def __init__(self, topology: Topology) -> None:
@@ -99,9 +99,7 @@ class DilocoState(PlainState):
             raise RuntimeError("DilocoState.outer is not set: build the OuterSync before the first checkpoint")
         outer = self.outer.state_dict()  # collective where an exchange is in flight: on every rank
         mine = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "outer": outer}
-        leader = self.topology.is_leader
-        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine if leader else None, gathered, dst=0)
+        gathered = gather_to_rank0(mine if self.topology.is_leader else None)
         self._nodes = [g for g in gathered if g is not None] if gathered is not None else None
         return mine["model"], mine["optimizer"]
 

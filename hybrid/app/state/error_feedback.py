@@ -23,7 +23,6 @@ each algorithm keeps its own residuals).
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.app.config import CommConfig
+from hybrid.app.state.to_rank0 import gather_to_rank0, scatter_from_rank0
 from hybrid.core.comm.base import Communicator
 from hybrid.core.comm.compression import InterCompressor
 from hybrid.runtime.distributed import broadcast_from_rank0
@@ -71,7 +71,7 @@ class ErrorFeedback:
 
     def gather(self) -> dict[str, Any] | None:
         """Every rank's residuals, on rank 0 (None elsewhere). Collective over the default group."""
-        ranks = _gather_to_rank0({name: c.state_dict() for name, c in self.compressors.items()})
+        ranks = gather_to_rank0({name: c.state_dict() for name, c in self.compressors.items()})
         return {"signature": self.signature, "ranks": ranks} if ranks is not None else None
 
     def load(self, mine: dict[str, Any], device: torch.device) -> None:
@@ -104,48 +104,4 @@ def restore_residuals(saved: dict[str, Any] | None, wanted: dict[str, Any] | Non
         if wanted is not None:
             log(f"error-feedback residuals start at zero: {why}")
         return None
-    return _scatter_from_rank0(saved["ranks"] if dist.get_rank() == 0 else None)
-
-
-# Rank to rank as torch.save bytes (read back with weights_only=True), each of its own length: under
-# hierarchical only the leaders hold residuals (a whole gradient each), and gather_object /
-# scatter_object_list would pad every rank's message to the largest one.
-
-def _to_bytes(obj: Any) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
-def _from_bytes(data: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-
-
-def _gather_to_rank0(obj: Any) -> list[Any] | None:
-    data = _to_bytes(obj)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)] if rank == 0 else None
-    dist.gather(torch.tensor([data.numel()]), sizes, dst=0)
-    if rank != 0:
-        dist.send(data, dst=0)
-        return None
-    out = [obj]
-    for src in range(1, world):
-        buf = torch.empty(int(sizes[src]), dtype=torch.uint8)
-        dist.recv(buf, src=src)
-        out.append(_from_bytes(buf))
-    return out
-
-
-def _scatter_from_rank0(objs: list[Any] | None) -> Any:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    datas = [_to_bytes(o) for o in objs] if objs is not None else []
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.scatter(size, [torch.tensor([d.numel()]) for d in datas] if rank == 0 else None, src=0)
-    if rank == 0:
-        for dst in range(1, world):
-            dist.send(datas[dst], dst=dst)
-        return objs[0]
-    buf = torch.empty(int(size), dtype=torch.uint8)
-    dist.recv(buf, src=0)
-    return _from_bytes(buf)
+    return scatter_from_rank0(saved["ranks"] if dist.get_rank() == 0 else None)
