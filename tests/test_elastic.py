@@ -155,7 +155,9 @@ def test_diloco_resumed_on_more_or_fewer_nodes_continues_each_nodes_own_weights_
 # 3x1 and 3x2 with comm=hierarchical pass too (run by hand with this test: 28 s and 44 s here); for its time CI
 # keeps 3x2 sharded (intra and cross groups rebuilt); the leaders' group is rebuilt on a smaller membership in
 # tests/test_testbed.py's link-down run (2x1 hierarchical -> 1 node).
-@pytest.mark.parametrize("nproc, comm", [(2, "sharded")])
+# comm=diloco (every 4 steps, so the kill lands between syncs): the two left continue their own nodes' weights from
+# the checkpoint and the syncs after it average over two.
+@pytest.mark.parametrize("nproc, comm", [(2, "sharded"), (1, "diloco")])
 @pytest.mark.background  # mostly waits (the lost node's heartbeat, the rendezvous): beside the first tiers
 def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membership(nproc, comm, tmp_path):
     """3 nodes, cluster.min_nnodes=2: node 2's agent and its workers are SIGKILLed after the step-10
@@ -168,6 +170,7 @@ def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membersh
 
     job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
               "cluster.max_restarts=2", "cluster.rdzv_last_call_s=2", f"comm={comm}", "comm.timeout_s=60",
+              *(["comm.sync_every=4"] if comm == "diloco" else []),
               "trainer.max_steps=30", "trainer.checkpoint_every=5", "trainer.log_every=1", "model.width=512",
               "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
     job.wait_for(r"^step 11/", timeout=180)  # rank 0 saved step 10's checkpoint before its step 11
@@ -187,3 +190,5 @@ def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membersh
     assert [(m["nnodes"], m["world_size"]) for m in history] == [(3, 3 * nproc), (2, 2 * nproc)]
     assert history[1]["why"] == "elastic restart 1" and 10 <= history[1]["step"] < 30
     assert f"layout changed since the checkpoint: nnodes 3 -> 2, world size {3 * nproc} -> {2 * nproc}" in out
+    if comm == "diloco":  # syncs at 4, 8 and 12..28 after the restart, and the end
+        assert metrics["diloco"]["outer_steps"] == 8 and metrics["diloco"]["sync_every"] == 4
