@@ -330,3 +330,34 @@ def test_a_diloco_job_is_named_by_its_schedule_so_a_sweep_over_h_keeps_its_jobs_
     assert label(algorithm="diloco", sync_every=8, fragments=4, overlap=True, inter_compression="fp8") == \
         "diloco:h8:f4:overlap+fp8"
     assert label(algorithm="hierarchical", inter_compression="bf16") == "hierarchical+bf16"
+
+
+def test_jobs_that_logged_their_loss_get_curves_by_samples_and_wall_time_and_their_bytes(tmp_path):
+    """A sweep of comms that train differently (DiLoCo is another optimizer): report_loss.png holds one row per
+    shape with the loss against samples and wall time, read from each job's TensorBoard log by TensorBoard's own
+    reader, and the bytes across nodes per step (the comm's counters; torch's own DDP has none, said so)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from hybrid.tools.report_loss import bytes_per_step, loss_figure, loss_points, smoothed
+
+    make_job(tmp_path, 0, 2, 2, "ddp", steps=40, extra={"samples_per_step": 64})
+    make_job(tmp_path, 1, 2, 2, "diloco", steps=40, extra={"samples_per_step": 64, "bytes": {
+        "inter_allreduce": 40 * 1000, "intra_broadcast": 40 * 500, "flat_allreduce": 0, "intra_reduce": 0}})
+    make_job(tmp_path, 2, 2, 2, "hierarchical", steps=40, extra={"samples_per_step": 64})  # logged 4 steps only
+    for num, every in ((0, 1), (1, 1), (2, 10)):
+        with SummaryWriter(str(tmp_path / str(num) / "tb")) as writer:
+            for step in range(every, 41, every):
+                writer.add_scalar("train/loss", 3.0 / step, step, walltime=1000.0 + step * (num + 1))
+    jobs = {j.comm: j for j in load_jobs(tmp_path)}
+    assert [p[:2] for p in loss_points(jobs["diloco:h32"])][:2] == [(1, 3.0), (2, 1.5)]
+    assert bytes_per_step(jobs["diloco:h32"]) == (1000.0, "rank 0's bytes across nodes per step")
+    assert bytes_per_step(jobs["ddp"])[0] is None
+    assert smoothed([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    fig = loss_figure(list(jobs.values()))
+    by_samples, by_time, sent = fig.axes
+    assert [line.get_label() for line in by_samples.get_lines()] == ["ddp", "diloco:h32"]  # not the 4-point job
+    assert by_samples.get_lines()[1].get_xdata()[-1] == 40 * 64  # samples seen
+    assert by_time.get_lines()[1].get_xdata()[-1] == 2 * 39  # seconds from the first logged step
+    assert [round(b.get_height(), 6) for b in sent.patches] == [0.0, 0.001]
+    assert "(no counts)" in sent.get_xticklabels()[0].get_text()
+    assert main([str(tmp_path)]) == 0 and (tmp_path / "report_loss.png").stat().st_size > 1000

@@ -32,16 +32,7 @@ from hybrid.app.config import DILOCO, TrainConfig
 from hybrid.app.loop import train_and_report
 from hybrid.app.observability.metrics import Metrics, NullMetrics, TensorBoardMetrics
 from hybrid.app.observability.run_metrics import describe_auto_calibration
-from hybrid.app.replicas.diloco import (
-    CHECKPOINT_KEY as DILOCO_KEY,
-)
-from hybrid.app.replicas.diloco import (
-    DilocoReplica,
-    DilocoState,
-    build_outer_sync,
-    diloco_group_kinds,
-    restore_node,
-)
+from hybrid.app.replicas import diloco
 from hybrid.app.replicas.node_threads import NodeProcessCommunicator, NodeReplicas, replica_topology
 from hybrid.app.replicas.rank import RankReplica
 from hybrid.app.replicas.torch_hooks import register_torch_hook
@@ -176,15 +167,16 @@ def train_diloco(cfg: TrainConfig, topology: Topology, device: torch.device, run
                  rank: int) -> dict[str, Any] | None:
     """comm=diloco: this rank's model under DDP over its node's group (gradients averaged inside the node every
     step), and the outer loop among nodes every ``comm.sync_every`` steps (:mod:`hybrid.app.replicas.diloco`)."""
-    kinds = diloco_group_kinds(cfg.comm, topology)
-    state = DilocoState(topology)
+    kinds = diloco.diloco_group_kinds(cfg.comm, topology)
+    state = diloco.DilocoState(topology)
     run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank,
                  state)
     groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend, cfg.comm.timeout_s,
                               kinds=kinds)
     counters = PhaseCounters(StepRecorder(PHASES))  # the outer loop's exchanges: inter_allreduce, intra_broadcast
-    outer = state.outer = build_outer_sync(run.model, groups, cfg.comm, counters)
-    note = restore_node(run.resumed_extra.get(DILOCO_KEY), topology.node, run.model, run.optimizer, outer)
+    outer = state.outer = diloco.build_outer_sync(run.model, groups, cfg.comm, counters)
+    note = diloco.restore_node(run.resumed_extra.get(diloco.CHECKPOINT_KEY), topology.node, run.model, run.optimizer,
+                               outer)
     if note:
         metrics.status(note)
     ddp = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None, process_group=groups.intra,
@@ -195,7 +187,7 @@ def train_diloco(cfg: TrainConfig, topology: Topology, device: torch.device, run
     try:
         x, y = sample_batch(run.dataset, cfg.data.batch_size, device)
         settle_buckets(ddp, None, lambda: batch_loss(ddp, x, y, run.loss_fn).backward())
-        replicas = DilocoReplica(ddp, run.streams[0], device, run.loss_fn, outer, topology, run.start_step,
+        replicas = diloco.DilocoReplica(ddp, run.streams[0], device, run.loss_fn, outer, topology, run.start_step,
                                  cfg.trainer.max_steps, metrics.scalars, cfg.trainer.precision, counters.recorder)
         result = train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, None)
         finished = True

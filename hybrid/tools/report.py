@@ -48,6 +48,7 @@ from hybrid.tools.report_costmodel import calibrate_from_jobs, describe_model, p
 from hybrid.tools.report_format import fmt
 from hybrid.tools.report_headline import headlines
 from hybrid.tools.report_job import LOOPBACK, Job, is_reference
+from hybrid.tools.report_loss import loss_figure
 from hybrid.tools.report_plot import report_figure
 from hybrid.tools.report_tables import auto_table, model_tables, peers_table
 from hybrid.tools.units import human_rate
@@ -141,9 +142,13 @@ def write_report(sweep_dir: Path, jobs: list[Job], model: Model | None, out_md: 
     fig = breakdown_figure(jobs, "; ".join(networks))
     if fig is not None:
         fig.savefig(breakdown_png, dpi=90)
+    loss_png = out_png.with_name(out_png.stem + "_loss.png")
+    losses = loss_figure(jobs)
+    if losses is not None:
+        losses.savefig(loss_png, dpi=90)
     return {"jobs": len(jobs), "finished": len(jobs) - len(missing), "median_abs_error": median_error,
             "auto_over_best": auto_ratios, "breakdown_png": str(breakdown_png) if fig is not None else None,
-            "headlines": heads}
+            "loss_png": str(loss_png) if losses is not None else None, "headlines": heads}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = write_report(args.sweep_dir, jobs, model, args.sweep_dir / "report.md", args.sweep_dir / "report.png",
                            model_line)
     print((args.sweep_dir / "report.md").read_text())
-    extra = f", {summary['breakdown_png']}" if summary["breakdown_png"] else ""
+    extra = "".join(f", {summary[k]}" for k in ("breakdown_png", "loss_png") if summary[k])
     print(f"wrote {args.sweep_dir / 'report.md'}, {args.sweep_dir / 'report.png'}{extra}; "
           f"{summary['finished']}/{summary['jobs']} jobs finished")
     return 0

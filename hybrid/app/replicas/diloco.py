@@ -36,7 +36,7 @@ from hybrid.core.diloco import OuterSync
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
 
-__all__ = ["CHECKPOINT_KEY", "DilocoReplica", "DilocoState", "diloco_group_kinds", "restore_node", "build_outer_sync"]
+__all__ = ["CHECKPOINT_KEY", "DilocoReplica", "DilocoState", "build_outer_sync", "diloco_group_kinds", "restore_node"]
 
 CHECKPOINT_KEY = "diloco"
 
@@ -86,8 +86,9 @@ def restore_node(saved: dict[str, Any] | None, node: int, model: nn.Module, opti
 
 class DilocoState(PlainState):
     """Checkpoints of comm=diloco: every node's model and inner optimizer state and its part of the outer loop,
-    gathered to rank 0 (one message per node leader over the default group, none from the other ranks); node 0's as the checkpoint's
-    ``model`` and ``optimizer``, so it also resumes as a plain checkpoint. Set ``outer`` before the first save."""
+    gathered to rank 0 (a message from each node leader over the default group, an empty one from the others);
+    node 0's as the checkpoint's ``model`` and ``optimizer``, so it also resumes as a plain checkpoint. Set
+    ``outer`` before the first save."""
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
