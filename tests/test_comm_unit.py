@@ -192,6 +192,9 @@ def test_gloo_groups_made_for_cross_group_j_start_on_nic_j_mod_k(monkeypatch):
     ({"sync_every": 8, "fragments": 3}, "fragments=3 must be an integer in 1..3 (the parameter tensors) that divides "
                                         "sync_every=8"),
     ({"sync_every": 8, "fragments": 4}, "fragments=4 must be an integer in 1..3"),
+    ({"sync_every": 8, "fragments": 2, "overlap": True, "overlap_steps": 5},
+     "overlap_steps=5 must be an integer in 1..4 (sync_every / fragments"),
+    ({"sync_every": 8, "overlap": True, "overlap_steps": 0}, "overlap_steps=0 must be an integer in 1..8"),
 ])
 def test_diloco_outer_sync_refuses_bad_settings_in_one_line(kwargs, message):
     from hybrid.core.diloco import OuterSync

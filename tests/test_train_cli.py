@@ -179,6 +179,8 @@ BAD = [
     (["comm=diloco", "comm.outer_optim.lr=fast"], "comm.outer_optim.lr='fast' is not a number"),
     (["comm=diloco", "cluster.intra_mode=thread"], "comm=diloco is not available with cluster.intra_mode=thread"),
     (["comm=hierarchical", "comm.sync_every=8"], "comm.sync_every=8 applies to comm=diloco only"),
+    (["comm=diloco", "comm.fragments=4", "comm.overlap=true", "comm.overlap_steps=9"],
+     "comm.overlap_steps=9 must be in 1..8 (comm.sync_every / comm.fragments"),
     (["comm=hierarchical", "comm.inter_compression=fp8"],
      "comm.inter_compression='fp8' is not one of none, bf16, fp16 (fp8 is comm=diloco's)"),
 ]

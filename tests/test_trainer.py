@@ -554,14 +554,16 @@ def test_diloco_in_its_exact_case_is_ddp_and_at_h8_keeps_nodes_in_step_and_resum
 
 @pytest.mark.multiprocess
 def test_streaming_diloco_with_overlap_and_fp8_ends_identical_and_resumes_with_an_exchange_in_flight():
-    """Two fragments, each exchange in the background of the next inner step, fp8 pseudo-gradients, sharded: every
-    step's replicas checked (each node's workers identical), one model on every rank at the end, fp8's wire bytes
-    (~1.03 a value) where fp32 would send 4; stopped at step 9, with fragment 1's exchange (sent at step 8) in
-    flight, and resumed: bitwise the straight run."""
+    """Two fragments, each exchange in the background of the next two inner steps, fp8 pseudo-gradients, sharded:
+    every step's replicas checked (each node's workers identical), one model on every rank at the end, fp8's wire
+    bytes (~1.03 a value) where fp32 would send 4; stopped at step 9, with fragment 1's exchange (sent at step 8,
+    due at 10) in flight, and resumed: bitwise the straight run."""
     root, results = job("2x2")
     straight, resumed = results["diloco-streaming"], results["diloco-streaming-resumed"]
     assert straight["param_checksums_identical"]
-    assert straight["diloco"]["fragments"] == 2 and straight["diloco"]["outer_steps"] >= 5
+    assert straight["diloco"]["fragments"] == 2 and straight["diloco"]["overlap_steps"] == 2
+    # Sent at 4, 8, 12, 16 and landed two steps later; at the end fragment 0's (sent at 20) and fragment 1's.
+    assert straight["diloco"]["outer_steps"] == 6
     plain = results["diloco-h8"]["diloco"]["bytes_per_sync"]
     assert 3.8 < plain / straight["diloco"]["bytes_per_sync"] < 4
     assert resumed["param_checksum"] == straight["param_checksum"] and resumed["steps_run"] == 11

@@ -173,6 +173,7 @@ class CommConfig:
     inter: str = "hierarchical"
     fragments: int = 1
     overlap: bool = False
+    overlap_steps: int = 1  # with overlap: the inner steps an exchange has to land (1..sync_every/fragments)
     outer_optim: Any = field(default_factory=lambda: dict(DEFAULT_OUTER_OPTIM))
 
     @property
@@ -225,6 +226,9 @@ class CommConfig:
                              "(each fragment syncs once per interval, at its own step)")
         if self.inter_compression not in CODECS:
             raise ValueError(f"comm.inter_compression={self.inter_compression!r} is not one of {', '.join(CODECS)}")
+        if not 1 <= self.overlap_steps <= self.sync_every // self.fragments:
+            raise ValueError(f"comm.overlap_steps={self.overlap_steps!r} must be in 1..{self.sync_every // self.fragments}"
+                             " (comm.sync_every / comm.fragments: an exchange lands before the next one leaves)")
         if not isinstance(self.outer_optim, dict) or "_target_" not in self.outer_optim:
             raise ValueError(f"comm.outer_optim={self.outer_optim!r} is not a config node: give "
                              "comm.outer_optim._target_ (a torch.optim class) with _partial_: true")
@@ -235,7 +239,7 @@ class CommConfig:
     def _refuse_diloco_keys(self) -> None:
         """comm=diloco's keys changed under another comm: said, not silently ignored."""
         defaults = CommConfig.__dataclass_fields__
-        for key in ("sync_every", "inter", "fragments", "overlap"):
+        for key in ("sync_every", "inter", "fragments", "overlap", "overlap_steps"):
             if getattr(self, key) != defaults[key].default:
                 raise ValueError(f"comm.{key}={getattr(self, key)!r} applies to comm=diloco only; "
                                  f"comm={self.algorithm} does not sync in intervals")

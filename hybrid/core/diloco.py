@@ -30,12 +30,12 @@ With ``compression`` (``bf16``, ``fp16``, or ``fp8``: e4m3 with a scale per bloc
 :mod:`hybrid.core.pseudo_grad_codec`) the nodes' parts are all-gathered encoded instead of all-reduced, and
 every rank sums the decoded parts in fp32.
 
-With ``overlap`` a fragment's exchange runs in the background while every node takes its next inner step,
-and lands at the end of that step (a fixed delay of one inner step, the same on every rank, so the result does
-not depend on when the network delivers it): the outer step is taken on the global weights as without overlap,
-and each node continues from the new global weights plus the one inner step it took meanwhile. Nodes then
-differ by that step after an outer step, as they do between syncs (Streaming DiLoCo's overlap, with the local
-step kept rather than mixed).
+With ``overlap`` a fragment's exchange runs in the background while every node takes its next inner steps,
+and lands at the end of the ``overlap_steps``-th of them (a fixed delay, the same on every rank, so the result
+does not depend on when the network delivers it): the outer step is taken on the global weights as without
+overlap, and each node continues from the new global weights plus the inner steps it took meanwhile. Nodes
+then differ by those steps after an outer step, as they do between syncs (Streaming DiLoCo's overlap, with the
+local steps kept rather than mixed).
 
 Both give every rank the same bits (one all-reduce per element, then copies),
 and the outer step is the same deterministic update on every rank, so all
@@ -109,7 +109,7 @@ class OuterSync:
     def __init__(self, params: Iterable[torch.Tensor], groups: CommGroups, *, sync_every: int,
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = default_outer_optimizer,
                  inter: str = "hierarchical", fragments: int = 1, compression: str = "none",
-                 overlap: bool = False, counters: PhaseCounters | None = None) -> None:
+                 overlap: bool = False, overlap_steps: int = 1, counters: PhaseCounters | None = None) -> None:
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} must be an integer >= 1 (inner steps between syncs)")
         if inter not in INTER_MODES:
@@ -123,6 +123,10 @@ class OuterSync:
                 or sync_every % fragments:
             raise ValueError(f"fragments={fragments!r} must be an integer in 1..{len(self.params)} (the parameter "
                              f"tensors) that divides sync_every={sync_every}")
+        if overlap and (not isinstance(overlap_steps, int) or isinstance(overlap_steps, bool)
+                        or not 1 <= overlap_steps <= sync_every // fragments):
+            raise ValueError(f"overlap_steps={overlap_steps!r} must be an integer in 1..{sync_every // fragments} "
+                             "(sync_every / fragments: an exchange lands before the next one leaves)")
         topology = groups.topology
         if groups.intra is None or (topology.is_leader and groups.leaders is None and inter == "hierarchical"):
             raise ValueError("OuterSync needs the intra and leaders groups (CommGroups.build with those kinds)")
@@ -130,6 +134,7 @@ class OuterSync:
             raise ValueError("inter=sharded needs uniform nodes and the cross groups (CommGroups kinds 'cross')")
         self.groups, self.sync_every, self.inter, self.compression = groups, sync_every, inter, compression
         self.overlap, self.counters = overlap, counters if counters is not None else PhaseCounters()
+        self.delay = overlap_steps if overlap else 0  # inner steps between an exchange leaving and landing
         # fp32 masters of the global weights, whatever the model's dtype: the outer step runs on them.
         self.global_params = [p.detach().clone().float() for p in self.params]
         self.outer = outer_optimizer(self.global_params)
@@ -153,7 +158,7 @@ class OuterSync:
         landed = self._land_due(inner_step)
         for f in range(len(self.fragments)):
             if inner_step % self.sync_every == self.offset(f):
-                exchange = self._start(f, inner_step + 1 if self.overlap else inner_step)
+                exchange = self._start(f, inner_step + self.delay)
                 if not self.overlap:
                     self._land(exchange, drifted=False)
                     landed = True

@@ -57,7 +57,7 @@ BENCH_COMMS = ("ddp", "flat", "hierarchical", "sharded", "auto", "hsdp",
                "diloco", *(f"diloco+{k}" for k in ("bf16", "fp16", "fp8")))
 LOOPBACK = "@loopback"
 # comm=diloco's own keys: among the overrides, they apply to its configurations and are left out of the others'.
-DILOCO_KEYS = ("comm.sync_every", "comm.inter", "comm.fragments", "comm.overlap", "comm.outer_optim")
+DILOCO_KEYS = ("comm.sync_every", "comm.inter", "comm.fragments", "comm.overlap", "comm.outer_optim")  # prefixes
 
 
 def known_comm(spec: str) -> bool:

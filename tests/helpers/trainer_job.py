@@ -45,9 +45,9 @@ DILOCO_EXACT = ["comm=diloco", "comm.sync_every=1", "comm.outer_optim.lr=1.0", "
                 "comm.outer_optim.nesterov=false", *PLAIN_SGD]
 DILOCO_H8 = ["comm=diloco", "comm.sync_every=8", "trainer.check_replicas_every=1", "trainer.checkpoint_every=4",
              "trainer.keep_checkpoints=10", "trainer.timeline=true", "trainer.timeline_steps=[7,9]"]
-# Streaming: 2 fragments, each exchange overlapped with the next inner step, fp8 on the wire, sharded.
-DILOCO_STREAMING = ["comm=diloco", "comm.sync_every=8", "comm.fragments=2", "comm.overlap=true", "comm.inter=sharded",
-                    "comm.inter_compression=fp8", "trainer.check_replicas_every=1"]
+# Streaming: 2 fragments, each exchange overlapped with the next two inner steps, fp8 on the wire, sharded.
+DILOCO_STREAMING = ["comm=diloco", "comm.sync_every=8", "comm.fragments=2", "comm.overlap=true", "comm.overlap_steps=2",
+                    "comm.inter=sharded", "comm.inter_compression=fp8", "trainer.check_replicas_every=1"]
 PLANS = {
     "2x2": [(c, [f"comm={c}"]) for c in COMMS] + [
         ("ddp-plain-sgd", ["comm=ddp", *PLAIN_SGD]),

@@ -62,7 +62,7 @@ def build_outer_sync(model: nn.Module, groups: CommGroups, comm: CommConfig, cou
 
     return OuterSync(model.parameters(), groups, sync_every=comm.sync_every, outer_optimizer=outer,
                      inter=comm.inter, fragments=comm.fragments, compression=comm.inter_compression,
-                     overlap=comm.overlap, counters=counters)
+                     overlap=comm.overlap, overlap_steps=comm.overlap_steps, counters=counters)
 
 
 def restore_node(saved: dict[str, Any] | None, node: int, model: nn.Module, optimizer: Any,
@@ -155,7 +155,7 @@ class DilocoReplica(RankReplica):
         """What metrics.json says of the outer loop."""
         outer = self.outer
         return {"diloco": {"sync_every": outer.sync_every, "fragments": len(outer.fragments), "inter": outer.inter,
-                           "overlap": outer.overlap, "compression": outer.compression, "outer_steps": outer.syncs,
+                           "overlap": outer.overlap, "overlap_steps": outer.delay, "compression": outer.compression, "outer_steps": outer.syncs,
                            "bytes_per_sync": outer.bytes_per_sync,
                            "inter_bytes_per_step": outer.bytes_per_sync / outer.sync_every,
                            "last_pseudo_grad_norm": outer.last_pseudo_grad_norm}}
