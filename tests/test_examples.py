@@ -8,6 +8,8 @@ import os
 import re
 import signal
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -50,25 +52,41 @@ def program_output(output: str) -> str:
     return "\n".join(line for line in output.splitlines() if not _AGENT_LINE.match(line))
 
 
+# After that abort, the other agent can wait out torch's exit barrier (300 s) for the agent that failed: once the
+# abort and torchrun's report of it are in the output, the rest is given this long before the group is stopped.
+ABORT_GRACE_S = 20.0
+
+
 def run_documented(command: str, timeout_s: float = 180) -> tuple[str, str, str]:
     """(git status before, the output, git status after) of the command as a reader pastes it into bash at the
-    repository's root; its process group is killed after."""
+    repository's root; its process group is killed after (early where only the upstream exit abort is left)."""
     before = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
     shell = background.track(subprocess.Popen(["bash", "-c", command], cwd=REPO, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                               env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"}))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(shell.stdout), daemon=True)  # every line, as it comes
+    reader.start()
+    deadline, aborted_at = time.monotonic() + timeout_s, None
     try:
-        output = shell.communicate(timeout=timeout_s)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(shell.pid, signal.SIGKILL)
-        raise AssertionError(f"still running after {timeout_s} s:\n{shell.communicate()[0][-4000:]}") from None
+        while shell.poll() is None:
+            now = time.monotonic()
+            if aborted_at is None and upstream_exit_abort("".join(lines)):
+                aborted_at = now
+            if aborted_at is not None and now - aborted_at > ABORT_GRACE_S:
+                break  # only torch's exit barrier is left to wait for
+            if now > deadline:
+                raise AssertionError(f"still running after {timeout_s} s:\n{''.join(lines)[-4000:]}")
+            time.sleep(0.2)
     finally:
         try:
             os.killpg(shell.pid, signal.SIGKILL)  # the backgrounded agent too, if anything was left
         except ProcessLookupError:
             pass
+        shell.wait()
+        reader.join(timeout=10)
     after = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
-    return before, output, after
+    return before, "".join(lines), after
 
 
 def _declare(name: str) -> None:

@@ -165,10 +165,11 @@ class OuterSync:
         return landed
 
     def finish(self, inner_step: int) -> None:
-        """The end of training: land what is in flight (no inner step has run since it left) and sync every
-        fragment that has moved since its last sync, so that all ranks hold the same weights."""
+        """The end of training: land what is in flight (keeping the inner steps taken since it left, if any) and
+        sync every fragment that has moved since its last sync, so that all ranks hold the same weights."""
         while self._pending:
-            self._land(self._pending.pop(0), drifted=False)
+            exchange = self._pending.pop(0)
+            self._land(exchange, drifted=exchange.due - self.delay < inner_step)
         for f in range(len(self.fragments)):
             if not self._clean[f]:
                 self._land(self._start(f, inner_step, background=False), drifted=False)
