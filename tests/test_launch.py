@@ -96,3 +96,30 @@ def test_an_elastic_job_succeeds_only_with_every_rank_of_its_last_membership(tmp
     (tmp_path / "result-0.pkl").write_bytes(pickle.dumps(("ok", {})))
     with pytest.raises(LaunchError, match="node 2 failed"):
         _collect(tmp_path, agents, min_nnodes=2)  # rank 0 missing
+
+
+@pytest.mark.multiprocess
+def test_the_rendezvous_store_off_the_nodes_serves_clients_and_ends_with_its_launcher():
+    """hybrid.runtime.rdzv_store: torch's TCPStore in a process of its own (an elastic job's rendezvous, so that
+    no node hosts it); clients read and write it; it exits when its launcher closes the pipe (or dies: the same
+    end of file), and a port already taken is refused in one line."""
+    import socket
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from hybrid.runtime.launch import free_port
+    from hybrid.runtime.rdzv_store import start_store
+
+    store = start_store("127.0.0.1", free_port())
+    host, port = store.endpoint.split(":")
+    client = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    client.set("membership", "0,1,2")
+    assert TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10)).get("membership") == b"0,1,2"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RuntimeError, match=r"the rendezvous store on 127\.0\.0\.1:\d+ did not start: "):
+            start_store("127.0.0.1", taken.getsockname()[1], timeout_s=20)
+    store.process.stdin.close()  # what the launcher's exit does to it
+    assert store.process.wait(timeout=10) == 0

@@ -94,6 +94,7 @@ def run_node(
     min_nnodes: int | None = None,
     last_call_s: int = 10,
     start_method: str = "spawn",
+    external_store: bool = False,
 ) -> dict[int, Any]:
     """Run this node's elastic agent and its workers; return the workers' results by global rank.
 
@@ -110,15 +111,18 @@ def run_node(
     ``start_method``: how the agent starts its workers, as torchrun's ``--start-method``: ``spawn`` (a fresh
     interpreter each, torchrun's default) or ``fork`` (a copy of this agent, which has torch and the entry
     point's module imported already and has touched no accelerator: no import cost per worker).
+    ``external_store``: the rendezvous store at ``rdzv_endpoint`` is hosted off the training nodes
+    (:mod:`hybrid.runtime.rdzv_store`): every agent joins it as a client, node 0 included.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # Kept alive (referenced) until the job ends.
-    server = _store_on_node_address(rdzv_endpoint, timeout_s) if node_rank == 0 and bind_store else None
+    hosts = node_rank == 0 and not external_store
+    server = _store_on_node_address(rdzv_endpoint, timeout_s) if hosts and bind_store else None
     minimum = min_nnodes or nnodes
-    # Node 0 hosts the rendezvous store; the others connect to it (said explicitly: simulated
-    # nodes share one hostname, so torch's guess by hostname would make every node a host).
-    rdzv_configs: dict[str, Any] = {"is_host": node_rank == 0, "join_timeout": int(timeout_s)}
+    # Node 0 hosts the rendezvous store (unless it is off the nodes); the others connect to it (said explicitly:
+    # simulated nodes share one hostname, so torch's guess by hostname would make every node a host).
+    rdzv_configs: dict[str, Any] = {"is_host": hosts, "join_timeout": int(timeout_s)}
     if minimum < nnodes:
         rdzv_configs.update(last_call_timeout=int(last_call_s), keep_alive_interval=1, keep_alive_max_attempt=3)
     config = LaunchConfig(
@@ -135,7 +139,7 @@ def run_node(
         local_addr=local_addr,
     )
     per_local_rank = elastic_launch(config, _rank_and_result)(entrypoint, *args)
-    if bind_store:  # the server is dropped only after this, when run_node returns
+    if bind_store and not external_store:  # the server is dropped only after this, when run_node returns
         _leave_together(server, rdzv_endpoint, run_id, min(nodes for _, nodes, _ in per_local_rank.values()))
     return {rank: result for rank, _, result in per_local_rank.values()}
 
@@ -200,7 +204,7 @@ def run_agent(job_dir: Path, node: int) -> int:
             run_id=meta["run_id"], rdzv_endpoint=meta["rdzv_endpoint"], timeout_s=meta["timeout_s"],
             max_restarts=int(meta.get("max_restarts", 0)), local_addr=meta["node_addresses"][node],
             min_nnodes=meta.get("min_nnodes"), last_call_s=int(meta.get("last_call_s", 10)),
-            start_method=meta.get("start_method", "spawn"),
+            start_method=meta.get("start_method", "spawn"), external_store=bool(meta.get("external_store")),
         )
         _write_result(job_dir, node, "ok", by_rank)
         return 0

@@ -17,7 +17,9 @@ back to the caller, ordered by global rank. Every wait is bounded: when one
 node fails, or the job outlives ``timeout_s``, every agent's process group
 (the agent and its workers) is stopped and :class:`LaunchError` says why.
 With elastic membership (``min_nnodes``) a lost node ends the job only when
-fewer than ``min_nnodes`` are left; the results are the last membership's.
+fewer than ``min_nnodes`` are left; the results are the last membership's. On
+loopback the rendezvous store of such a job runs in a process of its own
+(:mod:`hybrid.runtime.rdzv_store`), so that node 0 can be lost like any other.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from hybrid.core.topology import Layout
+from hybrid.runtime.rdzv_store import start_store
 
 __all__ = ["LOOPBACK", "PEER_GRACE_S", "LaunchError", "NodeNetwork", "free_port", "is_consequence", "launch_local",
            "local_agent_env", "start_agent_server", "worker_threads"]
@@ -141,7 +144,11 @@ def launch_local(
     minimum = min_nnodes or layout.nnodes
     if not 1 <= minimum <= layout.nnodes:
         raise ValueError(f"min_nnodes={min_nnodes} must be in 1..{layout.nnodes}")
-    job_dir = _write_job(layout, nodes, entrypoint, args, timeout_s, max_restarts, minimum, last_call_s, start_method)
+    # Elastic on loopback: the rendezvous store in a process of its own, so that no node is special (losing node 0
+    # is losing any node); started before the agents, stopped after them.
+    store = start_store(_LOCALHOST, free_port()) if minimum < layout.nnodes and nodes[0] == LOOPBACK else None
+    job_dir = _write_job(layout, nodes, entrypoint, args, timeout_s, max_restarts, minimum, last_call_s, start_method,
+                         store.endpoint if store is not None else None)
     base_env = {**os.environ, **local_agent_env(layout.world_size), **(env or {})}
     agents: list[subprocess.Popen] = []
     try:
@@ -154,6 +161,8 @@ def launch_local(
         return _collect(job_dir, agents, minimum)
     finally:
         _stop(agents)
+        if store is not None:
+            store.stop()
         shutil.rmtree(job_dir, ignore_errors=True)
 
 
@@ -234,8 +243,10 @@ def _start_agent(job_dir: Path, node: int, network: NodeNetwork, env: dict[str, 
 
 
 def _write_job(layout: Layout, nodes: Sequence[NodeNetwork], entrypoint: Callable[..., Any], args: Sequence[Any],
-               timeout_s: float, max_restarts: int, min_nnodes: int, last_call_s: int, start_method: str) -> Path:
-    """A fresh job folder with what every agent reads: the rendezvous and layout, and the pickled entry point."""
+               timeout_s: float, max_restarts: int, min_nnodes: int, last_call_s: int, start_method: str,
+               store_endpoint: str | None = None) -> Path:
+    """A fresh job folder with what every agent reads: the rendezvous and layout, and the pickled entry point.
+    ``store_endpoint``: a rendezvous store off the nodes (else node 0 hosts it)."""
     port = free_port() if nodes[0] == LOOPBACK else _RDZV_PORT_IN_NAMESPACE
     job_dir = Path(tempfile.mkdtemp(prefix="hybrid-job-"))
     meta = {
@@ -244,7 +255,8 @@ def _write_job(layout: Layout, nodes: Sequence[NodeNetwork], entrypoint: Callabl
         "node_sizes": list(layout.node_sizes),
         "node_addresses": [n.address for n in nodes],
         "run_id": f"hybrid-{uuid.uuid4().hex[:8]}",
-        "rdzv_endpoint": f"{nodes[0].address}:{port}",
+        "rdzv_endpoint": store_endpoint or f"{nodes[0].address}:{port}",
+        "external_store": store_endpoint is not None,
         "timeout_s": timeout_s,
         "max_restarts": max_restarts,
         "min_nnodes": min_nnodes,
