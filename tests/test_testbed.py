@@ -39,7 +39,7 @@ def ours() -> list[str]:
 def test_nodes_are_separate_namespaces_and_the_link_is_really_shaped():
     link_mbit, nbytes, repeats = 100.0, 4 * 2**20, 3
     with Testbed(2, LinkShape(link_mbit)) as bed:
-        assert sorted(ours()) == sorted(bed.namespaces)
+        assert sorted(ours()) == sorted([*bed.namespaces, bed.service_namespace])
         results = launch_local(Layout.parse("2x1"), testbed_targets.timed_allreduce, (nbytes, repeats),
                                timeout_s=180, nodes=bed.nodes)
     assert ours() == []
@@ -172,7 +172,7 @@ def test_the_testbed_touches_only_links_it_created():
     before = _host_links()
     with Testbed(2, LinkShape(100)) as bed:
         during = _host_links()
-        assert sorted(ours()) == sorted(bed.namespaces)
+        assert sorted(ours()) == sorted([*bed.namespaces, bed.service_namespace])
     after = _host_links()
     added = set(during) - set(before)
     assert added and all(name.startswith(f"hyb{os.getpid()}") for name in added), added
@@ -283,9 +283,10 @@ def test_cpu_limits_without_root_are_refused_in_one_line(monkeypatch):
 @needs_testbed
 def test_a_node_whose_links_go_down_is_left_behind_and_the_job_finishes_on_the_other(tmp_path):
     """2x1 on the testbed with two NICs per node, node 1 at a lower rate (the trainer's own path through the
-    Hydra keys), cluster.min_nnodes=1: after the step-10 checkpoint node 1's NICs go down (``ip link set nicK
-    down`` in its namespace). Node 0's collectives time out (comm.timeout_s), its agent drops the silent node
-    and restarts its worker alone, which resumes and finishes; the run exits 0."""
+    Hydra keys), cluster.min_nnodes=1: after the step-10 checkpoint node 0's NICs go down (``ip link set nicK
+    down`` in its namespace). Node 0 hosts nothing the other needs (the rendezvous store runs in the testbed's
+    service namespace): node 1's collectives time out (comm.timeout_s), its agent drops the silent node and
+    restarts its worker alone, which resumes as rank 0 and finishes, writing the metrics; the run exits 0."""
     import time
 
     from helpers.processes import Job
@@ -298,11 +299,12 @@ def test_a_node_whose_links_go_down_is_left_behind_and_the_job_finishes_on_the_o
               "model.width=512", "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
     job.wait_for(r"^step 11/", timeout=180)  # rank 0 saved step 10's checkpoint before its step 11
     for nic in ("nic0", "nic1"):
-        subprocess.run(["ip", "netns", "exec", f"hybrid-{job.proc.pid}-n1", "ip", "link", "set", nic, "down"],
+        subprocess.run(["ip", "netns", "exec", f"hybrid-{job.proc.pid}-n0", "ip", "link", "set", nic, "down"],
                        check=True, timeout=30)
     down = time.monotonic()
     job.wait_for(r"^resumed from step", timeout=timeout_s + 60)  # the timeout, the rendezvous, the restart: no hang
-    print(f"link down -> training resumed on node 0: {time.monotonic() - down:.1f} s (comm.timeout_s={timeout_s})")
+    print(f"node 0's links down -> training resumed on node 1: {time.monotonic() - down:.1f} s "
+          f"(comm.timeout_s={timeout_s})")
     code, out, _ = job.finish(timeout=300)
     assert code == 0, out[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())

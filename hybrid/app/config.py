@@ -106,8 +106,8 @@ class ClusterConfig:
     max_restarts: int = 0  # elastic restarts of a node's workers after a failure; they resume from the last checkpoint
     # Elastic membership: the job goes on while at least this many nodes are left (torchrun's --nnodes MIN:MAX);
     # 0: cluster.nnodes, every node is needed. The survivors re-rendezvous and resume from the last checkpoint.
-    # Any node, node 0 included: the local launcher runs the rendezvous store off the nodes (docs/reliability.md;
-    # on the testbed node 0 still hosts it). A fresh job may also start on MIN nodes if the others join
+    # Any node, node 0 included: the local launcher and the testbed run the rendezvous store off the nodes
+    # (docs/reliability.md). A fresh job may also start on MIN nodes if the others join
     # later than rdzv_last_call_s; they are taken in at the next membership change.
     min_nnodes: int = 0
     # With min_nnodes < nnodes: how long a rendezvous that has its minimum waits for more nodes (torch's

@@ -50,7 +50,7 @@ def launch_job(settings: TrainConfig, entrypoint: Any, args: tuple) -> list[Any]
     links = [LinkShape(rate, tb.burst_kb, tb.latency_ms) for rate in tb.rates(c.nnodes)]
     with Testbed(c.nnodes, links, tb.nics_per_node, tb.cpus(c.nnodes)) as bed:
         return launch_local(settings.process_layout, entrypoint, args, timeout_s=c.launch_timeout_s,
-                            nodes=bed.nodes, **_elastic(c))
+                            nodes=bed.nodes, store_network=bed.service, **_elastic(c))
 
 
 def _elastic(c: ClusterConfig) -> dict[str, Any]:

@@ -115,6 +115,7 @@ def launch_local(
     min_nnodes: int | None = None,
     last_call_s: int = 10,
     start_method: str = "fork",
+    store_network: NodeNetwork | None = None,
 ) -> list[Any]:
     """Run ``entrypoint(*args)`` on every rank of ``layout``; return the results by rank.
 
@@ -130,7 +131,8 @@ def launch_local(
     a worker is a copy of its agent, which has imported torch and the entry point already, so a worker
     starts in milliseconds instead of paying every import again (seconds of CPU each: experiments/RESULTS.md);
     the agent touches no accelerator and runs no torch op before it forks. ``spawn``: a fresh interpreter per
-    worker, torchrun's default.
+    worker, torchrun's default. ``store_network``: where an elastic job's rendezvous store runs, off the nodes
+    (the testbed's service namespace); on loopback it is loopback, else (None) node 0 hosts it.
     """
     if start_method not in ("fork", "spawn"):
         raise ValueError(f"start_method={start_method!r} must be fork or spawn")
@@ -146,7 +148,11 @@ def launch_local(
         raise ValueError(f"min_nnodes={min_nnodes} must be in 1..{layout.nnodes}")
     # Elastic on loopback: the rendezvous store in a process of its own, so that no node is special (losing node 0
     # is losing any node); started before the agents, stopped after them.
-    store = start_store(_LOCALHOST, free_port()) if minimum < layout.nnodes and nodes[0] == LOOPBACK else None
+    store_at = store_network or (LOOPBACK if nodes[0] == LOOPBACK else None)
+    store = None
+    if minimum < layout.nnodes and store_at is not None:
+        port = free_port() if store_at == LOOPBACK else _RDZV_PORT_IN_NAMESPACE
+        store = start_store(store_at.address, port, store_at.prefix)
     job_dir = _write_job(layout, nodes, entrypoint, args, timeout_s, max_restarts, minimum, last_call_s, start_method,
                          store.endpoint if store is not None else None)
     base_env = {**os.environ, **local_agent_env(layout.world_size), **(env or {})}

@@ -54,6 +54,11 @@ __all__ = ["MAX_NICS", "LinkShape", "Testbed", "TestbedError", "cleanup_leftover
 MAX_NICS = 8
 
 
+# The service namespace's address (on the nic0 rail, above every node's): where an elastic job's rendezvous store
+# runs, off the training nodes.
+SERVICE_ADDRESS = "10.213.57.254"
+
+
 def nic_address(node: int, nic: int) -> str:
     """NIC ``nic`` of node ``node``: 10.213.(57 + nic).(node + 1), a /24 per NIC index (a rail)."""
     return f"10.213.{57 + nic}.{node + 1}"
@@ -99,7 +104,7 @@ def nic_names(nics: int) -> list[str]:
     """The NICs of a node, as named inside its namespace: nic0, nic1, ..."""
     return [f"nic{k}" for k in range(nics)]
 
-_NS = re.compile(r"^hybrid-(\d+)-n(\d+)$")
+_NS = re.compile(r"^hybrid-(\d+)-(n\d+|rdzv)$")
 _BRIDGE = re.compile(r"^hyb(\d+)br$")
 
 
@@ -286,6 +291,8 @@ class Testbed:
         pid = os.getpid()
         self.bridge = f"hyb{pid}br"
         self.namespaces = [f"hybrid-{pid}-n{i}" for i in range(nnodes)]
+        # A namespace that is no training node, on the same switch, unshaped: the rendezvous store's (elastic jobs).
+        self.service_namespace, self._service_end = f"hybrid-{pid}-rdzv", f"hyb{pid}r"
         # Interface names have at most 15 characters: nic 0 keeps the plain name, nic k > 0 a letter.
         self._host_ends = [[f"hyb{pid}n{i}" + ("" if k == 0 else chr(ord("a") + k)) for k in range(nics_per_node)]
                            for i in range(nnodes)]
@@ -311,6 +318,11 @@ class Testbed:
         limits = [cpu_limit.deferred_join_prefix(path) for path in self.cgroups] or [()] * self.nnodes
         return [NodeNetwork(nic_address(i, 0), ifnames, (*limit, *self.prefix, "ip", "netns", "exec", ns))
                 for i, (ns, limit) in enumerate(zip(self.namespaces, limits))]
+
+    @property
+    def service(self) -> NodeNetwork:
+        """The namespace beside the nodes that is none of them (where an elastic job's rendezvous store runs)."""
+        return NodeNetwork(SERVICE_ADDRESS, "nic0", (*self.prefix, "ip", "netns", "exec", self.service_namespace))
 
     def __enter__(self) -> "Testbed":
         reason = testbed_available()
@@ -343,6 +355,7 @@ class Testbed:
                 raise TestbedError(str(exc)) from exc
         names = {nic_address(i, k): f"hybrid-n{i}" + (f"-nic{k}" if k else "")
                  for i in range(self.nnodes) for k in range(self.nics_per_node)}
+        names[SERVICE_ADDRESS] = "hybrid-rdzv"
         if os.geteuid() != 0:
             # One hosts file for every node, over /etc/hosts in the namespace's own mounts; /run a tmpfs of its
             # own, where ``ip netns`` keeps its namespaces (the machine's /run is not this user's to write).
@@ -374,6 +387,21 @@ class Testbed:
                 # Egress of the host end is the node's download; egress of the NIC its upload.
                 self._run("tc", "qdisc", "add", "dev", host_end, "root", *link.tbf_args())
                 self._run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", nic, "root", *link.tbf_args())
+        self._create_service(names)
+
+    def _create_service(self, names: dict[str, str]) -> None:
+        """The service namespace: one unshaped NIC on the switch at SERVICE_ADDRESS."""
+        ns, host_end = self.service_namespace, self._service_end
+        if self._userns is None:
+            (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
+            (NETNS_ETC / ns / "hosts").write_text(_hosts_file(names))
+        self._run("ip", "netns", "add", ns)
+        self._run("ip", "-n", ns, "link", "set", "lo", "up")
+        self._run("ip", "link", "add", host_end, "type", "veth", "peer", "name", "nic0", "netns", ns)
+        self._run("ip", "link", "set", host_end, "master", self.bridge)
+        self._run("ip", "link", "set", host_end, "up")
+        self._run("ip", "-n", ns, "addr", "add", f"{SERVICE_ADDRESS}/24", "dev", "nic0")
+        self._run("ip", "-n", ns, "link", "set", "nic0", "up")
 
     def destroy(self) -> None:
         """Remove everything this testbed created (deleting a namespace deletes its veth pair)."""
@@ -385,10 +413,10 @@ class Testbed:
                 shutil.rmtree(self._etc, ignore_errors=True)
             self._restore_sigterm()
             return
-        for ns in self.namespaces:
+        for ns in [*self.namespaces, self.service_namespace]:
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
-        for host_end in (name for ends in self._host_ends for name in ends):
+        for host_end in [*(name for ends in self._host_ends for name in ends), self._service_end]:
             subprocess.run(["ip", "link", "delete", host_end], capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True, timeout=30)
         for path in self.cgroups:
