@@ -160,8 +160,7 @@ def test_diloco_resumed_on_more_or_fewer_nodes_continues_each_nodes_own_weights_
 # Node 0 too: an elastic job's rendezvous store runs in a process of its own (hybrid.runtime.rdzv_store), so node 0
 # hosts nothing the others need and is lost like any other; the lowest surviving rank then writes checkpoints and
 # metrics.
-@pytest.mark.parametrize("nproc, comm, lost", [(2, "sharded", 2), (1, "diloco", 2), (1, "hierarchical", 0),
-                                               (2, "sharded", 0)])
+@pytest.mark.parametrize("nproc, comm, lost", [(2, "sharded", 0), (1, "hierarchical", 0), (1, "diloco", 2)])
 @pytest.mark.background  # mostly waits (the lost node's heartbeat, the rendezvous): beside the first tiers
 def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membership(nproc, comm, lost, tmp_path):
     """3 nodes, cluster.min_nnodes=2: node ``lost``'s agent and its workers are SIGKILLed after the step-10

@@ -101,8 +101,9 @@ def test_an_elastic_job_succeeds_only_with_every_rank_of_its_last_membership(tmp
 @pytest.mark.multiprocess
 def test_the_rendezvous_store_off_the_nodes_serves_clients_and_ends_with_its_launcher():
     """hybrid.runtime.rdzv_store: torch's TCPStore in a process of its own (an elastic job's rendezvous, so that
-    no node hosts it); clients read and write it; it exits when its launcher closes the pipe (or dies: the same
-    end of file), and a port already taken is refused in one line."""
+    no node hosts it); clients read and write it; a job given it as its endpoint (cluster.rdzv_endpoint) meets
+    there, every agent a client (the rendezvous' keys are in it afterwards); it exits when its launcher closes the
+    pipe (or dies: the same end of file), and a port already taken is refused in one line."""
     import socket
     from datetime import timedelta
 
@@ -116,6 +117,10 @@ def test_the_rendezvous_store_off_the_nodes_serves_clients_and_ends_with_its_lau
     client = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
     client.set("membership", "0,1,2")
     assert TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10)).get("membership") == b"0,1,2"
+    before = client.num_keys()
+    envs = launch_local(Layout.parse("2x1"), launch_targets.report_env, timeout_s=120, rdzv_endpoint=store.endpoint)
+    assert [e["RANK"] for e in envs] == ["0", "1"]
+    assert client.num_keys() > before  # the agents' rendezvous state lives in this store
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

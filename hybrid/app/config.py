@@ -119,6 +119,11 @@ class ClusterConfig:
     # hydra/launcher=slurm: the rendezvous port on the job's first host (firewalled sites); 0: derived from
     # the Slurm job id (20000-31999), so concurrent jobs sharing a first host rarely meet on one port
     rdzv_port: int = 0
+    # HOST:PORT of a rendezvous store that no training node hosts (one you run, e.g. python -m
+    # hybrid.runtime.rdzv_store HOST PORT, or any c10d TCPStore server): every node's agent joins it as a client,
+    # so losing any node, node 0 included, is survivable. "": node 0 hosts it (an elastic local job runs its own
+    # off the nodes). Not with the testbed, which runs its own in a namespace of its own.
+    rdzv_endpoint: str = ""
     testbed: TestbedConfig = field(default_factory=TestbedConfig)
 
 
@@ -428,6 +433,14 @@ def _validate_cluster(c: ClusterConfig) -> None:
         raise ValueError(f"cluster.rdzv_port={c.rdzv_port!r} must be 0 (derived from the Slurm job id) "
                          "or a port, 1-65535")
     _one_of("cluster.intra_mode", c.intra_mode, INTRA_MODES)
+    if c.rdzv_endpoint:
+        host, _, port = c.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"cluster.rdzv_endpoint={c.rdzv_endpoint!r} must be HOST:PORT (a port 1-65535), or "
+                             "empty for node 0's")
+        if c.testbed.enabled:
+            raise ValueError(f"cluster.rdzv_endpoint={c.rdzv_endpoint!r} cannot be reached from the testbed's "
+                             "namespaces, which run their own store off the nodes: leave it empty")
     if not 0 <= c.min_nnodes <= c.nnodes:
         raise ValueError(f"cluster.min_nnodes={c.min_nnodes!r} must be in 1..cluster.nnodes={c.nnodes} "
                          "(0: all nodes are needed)")

@@ -46,7 +46,8 @@ def launch_job(settings: TrainConfig, entrypoint: Any, args: tuple) -> list[Any]
     c = settings.cluster
     tb = c.testbed
     if not tb.enabled:
-        return launch_local(settings.process_layout, entrypoint, args, timeout_s=c.launch_timeout_s, **_elastic(c))
+        return launch_local(settings.process_layout, entrypoint, args, timeout_s=c.launch_timeout_s,
+                            rdzv_endpoint=c.rdzv_endpoint or None, **_elastic(c))
     links = [LinkShape(rate, tb.burst_kb, tb.latency_ms) for rate in tb.rates(c.nnodes)]
     with Testbed(c.nnodes, links, tb.nics_per_node, tb.cpus(c.nnodes)) as bed:
         return launch_local(settings.process_layout, entrypoint, args, timeout_s=c.launch_timeout_s,
@@ -82,7 +83,8 @@ def _run(settings: TrainConfig, hydra_cfg: Any, run_dir: Path) -> dict[str, Any]
         # One task per node (hydra/launcher=slurm): this task is the node's elastic agent. Every task of
         # the job has the same Hydra output dir, and every node checks it (no worker starts before the
         # last node has joined), so a refusal stops all nodes at once instead of leaving them to wait.
-        node = SlurmNode.of_this_task(settings.cluster.nnodes, settings.cluster.rdzv_port)
+        node = SlurmNode.of_this_task(settings.cluster.nnodes, settings.cluster.rdzv_port,
+                                      settings.cluster.rdzv_endpoint)
         check_run_dir(run_dir, settings.trainer.resume)
         prepare(settings)
         # Processes per node as in launch_job: one per device, or one with cluster.intra_mode=thread.

@@ -116,6 +116,7 @@ def launch_local(
     last_call_s: int = 10,
     start_method: str = "fork",
     store_network: NodeNetwork | None = None,
+    rdzv_endpoint: str | None = None,
 ) -> list[Any]:
     """Run ``entrypoint(*args)`` on every rank of ``layout``; return the results by rank.
 
@@ -133,6 +134,8 @@ def launch_local(
     the agent touches no accelerator and runs no torch op before it forks. ``spawn``: a fresh interpreter per
     worker, torchrun's default. ``store_network``: where an elastic job's rendezvous store runs, off the nodes
     (the testbed's service namespace); on loopback it is loopback, else (None) node 0 hosts it.
+    ``rdzv_endpoint``: ``HOST:PORT`` of a rendezvous store someone else runs (``cluster.rdzv_endpoint``); every
+    agent joins it as a client and none is started.
     """
     if start_method not in ("fork", "spawn"):
         raise ValueError(f"start_method={start_method!r} must be fork or spawn")
@@ -150,11 +153,11 @@ def launch_local(
     # is losing any node); started before the agents, stopped after them.
     store_at = store_network or (LOOPBACK if nodes[0] == LOOPBACK else None)
     store = None
-    if minimum < layout.nnodes and store_at is not None:
+    if minimum < layout.nnodes and store_at is not None and rdzv_endpoint is None:
         port = free_port() if store_at == LOOPBACK else _RDZV_PORT_IN_NAMESPACE
         store = start_store(store_at.address, port, store_at.prefix)
     job_dir = _write_job(layout, nodes, entrypoint, args, timeout_s, max_restarts, minimum, last_call_s, start_method,
-                         store.endpoint if store is not None else None)
+                         rdzv_endpoint or (store.endpoint if store is not None else None))
     base_env = {**os.environ, **local_agent_env(layout.world_size), **(env or {})}
     agents: list[subprocess.Popen] = []
     try:

@@ -61,11 +61,13 @@ class SlurmNode:
     rdzv_host: str
     local: bool  # submitit's LocalExecutor: every node on this machine
     port: int = 0  # cluster.rdzv_port; 0: rdzv_port(job_id)
+    external_endpoint: str = ""  # cluster.rdzv_endpoint: a store no node hosts (HOST:PORT); "": the first host's
 
     @classmethod
-    def of_this_task(cls, nnodes: int, port: int = 0) -> SlurmNode:
+    def of_this_task(cls, nnodes: int, port: int = 0, external_endpoint: str = "") -> SlurmNode:
         """This task's node, checked against ``cluster.nnodes`` (one task per node); ``port``: the
-        rendezvous port (``cluster.rdzv_port``), 0 to derive it from the job id."""
+        rendezvous port (``cluster.rdzv_port``), 0 to derive it from the job id; ``external_endpoint``: a
+        rendezvous store off the nodes (``cluster.rdzv_endpoint``)."""
         import submitit
 
         job = submitit.JobEnvironment()
@@ -76,11 +78,11 @@ class SlurmNode:
             )
         local = job.cluster == "local"
         return cls(job.global_rank, job.num_tasks, job.job_id, _LOCALHOST if local else job.hostnames[0], local,
-                   port)
+                   port, external_endpoint)
 
     @property
     def rdzv_endpoint(self) -> str:
-        return f"{self.rdzv_host}:{self.port or rdzv_port(self.job_id)}"
+        return self.external_endpoint or f"{self.rdzv_host}:{self.port or rdzv_port(self.job_id)}"
 
     def run(self, nproc: int, entrypoint: Callable[..., Any], args: Sequence[Any], *,
             timeout_s: float, max_restarts: int = 0, min_nnodes: int | None = None,
@@ -109,5 +111,5 @@ class SlurmNode:
             entrypoint, tuple(args), nnodes=self.nnodes, nproc_per_node=nproc, node_rank=self.rank,
             run_id=f"hybrid-{self.job_id}", rdzv_endpoint=self.rdzv_endpoint, timeout_s=timeout_s,
             max_restarts=max_restarts, local_addr=_LOCALHOST if self.local else None, bind_store=self.local,
-            min_nnodes=min_nnodes, last_call_s=last_call_s,
+            min_nnodes=min_nnodes, last_call_s=last_call_s, external_store=bool(self.external_endpoint),
         )
