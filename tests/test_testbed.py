@@ -186,7 +186,7 @@ def test_two_testbeds_one_after_another_and_cleanup_on_error():
     for _ in range(2):
         with pytest.raises(RuntimeError, match="boom"):
             with Testbed(3, LinkShape(50)):
-                assert len(ours()) == 3
+                assert len(ours()) == 4  # 3 nodes and the service namespace
                 raise RuntimeError("boom")
         assert ours() == []
 
@@ -202,7 +202,7 @@ def test_leftover_of_a_killed_run_is_detected_and_removed():
     try:
         assert child.stdout.readline().strip() == "ready"
         created = ours()
-        assert len(created) == 2
+        assert len(created) == 3  # 2 nodes and the service namespace
         child.kill()
         child.wait(timeout=30)
         assert sorted(ours()) == sorted(created)
@@ -211,6 +211,7 @@ def test_leftover_of_a_killed_run_is_detected_and_removed():
         assert ours() == []
     finally:
         child.kill()
+        child.wait(timeout=30)  # dead before the clean-up looks: a live creator's testbed is not a leftover
         cleanup_leftovers()
 
 
@@ -232,7 +233,7 @@ def test_a_training_run_interrupted_mid_way_leaves_no_namespace(sig, tmp_path):
                 break
         # Keep draining: a full pipe would block the app's own last words and hold it past the wait below.
         threading.Thread(target=run.stdout.read, daemon=True).start()
-        assert len(ours()) == 2
+        assert len(ours()) == 3  # 2 nodes and the service namespace
         run.send_signal(sig)
         run.wait(timeout=60)
         assert run.returncode != 0

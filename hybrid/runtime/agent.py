@@ -98,21 +98,18 @@ def run_node(
 ) -> dict[int, Any]:
     """Run this node's elastic agent and its workers; return the workers' results by global rank.
 
-    Shared by the simulated nodes of :mod:`hybrid.runtime.launch` and the Slurm nodes
-    of :mod:`hybrid.runtime.slurm`. ``bind_store``: node 0 starts the rendezvous
-    store itself, on the endpoint's address only (see the module docstring);
-    without it torch's c10d rendezvous opens the store as under torchrun,
-    on every interface. ``local_addr``: this node's address as the workers
+    Shared by the simulated nodes of :mod:`hybrid.runtime.launch` and the Slurm nodes of :mod:`hybrid.runtime.slurm`.
+    ``bind_store``: node 0 starts the rendezvous store itself, on the endpoint's address only (module docstring);
+    without it torch's c10d rendezvous opens the store as under torchrun, on every interface. ``local_addr``: this node's address as the workers
     see it (``MASTER_ADDR`` when rank 0 is here); None: the hostname, as
     torchrun does. A failed worker raises torch's ``ChildFailedError``. ``min_nnodes`` below ``nnodes``:
     elastic membership (torchrun's ``--nnodes MIN:MAX``): the rendezvous completes with at least that many
     nodes after waiting ``last_call_s`` for more, a node without a heartbeat for ~3 s is dropped, and a node
     that (re)joins waits until the running agents see it and restart their workers on the larger membership.
-    ``start_method``: how the agent starts its workers, as torchrun's ``--start-method``: ``spawn`` (a fresh
-    interpreter each, torchrun's default) or ``fork`` (a copy of this agent, which has torch and the entry
-    point's module imported already and has touched no accelerator: no import cost per worker).
-    ``external_store``: the rendezvous store at ``rdzv_endpoint`` is hosted off the training nodes
-    (:mod:`hybrid.runtime.rdzv_store`): every agent joins it as a client, node 0 included.
+    ``start_method``: torchrun's ``--start-method``: ``spawn`` (a fresh interpreter each, torchrun's default) or
+    ``fork`` (a copy of this agent, with torch and the entry point imported, no accelerator touched).
+    ``external_store``: the store at ``rdzv_endpoint`` is off the nodes (:mod:`hybrid.runtime.rdzv_store`):
+    every agent joins it as a client, node 0 included.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -120,8 +117,7 @@ def run_node(
     hosts = node_rank == 0 and not external_store
     server = _store_on_node_address(rdzv_endpoint, timeout_s) if hosts and bind_store else None
     minimum = min_nnodes or nnodes
-    # Node 0 hosts the rendezvous store (unless it is off the nodes); the others connect to it (said explicitly:
-    # simulated nodes share one hostname, so torch's guess by hostname would make every node a host).
+    # Node 0 hosts the store (unless it is off the nodes), said explicitly: simulated nodes share one hostname.
     rdzv_configs: dict[str, Any] = {"is_host": hosts, "join_timeout": int(timeout_s)}
     if minimum < nnodes:
         rdzv_configs.update(last_call_timeout=int(last_call_s), keep_alive_interval=1, keep_alive_max_attempt=3)

@@ -132,30 +132,17 @@ def launch_local(
     a worker is a copy of its agent, which has imported torch and the entry point already, so a worker
     starts in milliseconds instead of paying every import again (seconds of CPU each: experiments/RESULTS.md);
     the agent touches no accelerator and runs no torch op before it forks. ``spawn``: a fresh interpreter per
-    worker, torchrun's default. ``store_network``: where an elastic job's rendezvous store runs, off the nodes
-    (the testbed's service namespace); on loopback it is loopback, else (None) node 0 hosts it.
-    ``rdzv_endpoint``: ``HOST:PORT`` of a rendezvous store someone else runs (``cluster.rdzv_endpoint``); every
-    agent joins it as a client and none is started.
+    worker, torchrun's default. ``store_network``: where an elastic job's store runs off the nodes (see
+    :func:`_elastic_store`); ``rdzv_endpoint``: ``HOST:PORT`` of a store someone else runs, joined by every agent.
     """
-    if start_method not in ("fork", "spawn"):
-        raise ValueError(f"start_method={start_method!r} must be fork or spawn")
-    if max_restarts < 0:
-        raise ValueError(f"max_restarts={max_restarts} must be >= 0")
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
+    _check_settings(start_method, max_restarts, timeout_s)
     nodes = list(nodes) if nodes is not None else [LOOPBACK] * layout.nnodes
     if len(nodes) != layout.nnodes:
         raise ValueError(f"{len(nodes)} node networks for a layout of {layout.nnodes} nodes")
     minimum = min_nnodes or layout.nnodes
     if not 1 <= minimum <= layout.nnodes:
         raise ValueError(f"min_nnodes={min_nnodes} must be in 1..{layout.nnodes}")
-    # Elastic on loopback: the rendezvous store in a process of its own, so that no node is special (losing node 0
-    # is losing any node); started before the agents, stopped after them.
-    store_at = store_network or (LOOPBACK if nodes[0] == LOOPBACK else None)
-    store = None
-    if minimum < layout.nnodes and store_at is not None and rdzv_endpoint is None:
-        port = free_port() if store_at == LOOPBACK else _RDZV_PORT_IN_NAMESPACE
-        store = start_store(store_at.address, port, store_at.prefix)
+    store = _elastic_store(minimum < layout.nnodes and rdzv_endpoint is None, nodes, store_network)
     job_dir = _write_job(layout, nodes, entrypoint, args, timeout_s, max_restarts, minimum, last_call_s, start_method,
                          rdzv_endpoint or (store.endpoint if store is not None else None))
     base_env = {**os.environ, **local_agent_env(layout.world_size), **(env or {})}
@@ -173,6 +160,26 @@ def launch_local(
         if store is not None:
             store.stop()
         shutil.rmtree(job_dir, ignore_errors=True)
+
+
+def _check_settings(start_method: str, max_restarts: int, timeout_s: float) -> None:
+    if start_method not in ("fork", "spawn"):
+        raise ValueError(f"start_method={start_method!r} must be fork or spawn")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts={max_restarts} must be >= 0")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
+
+
+def _elastic_store(elastic: bool, nodes: Sequence[NodeNetwork], store_network: NodeNetwork | None) -> Any:
+    """An elastic job's rendezvous store in a process of its own (so that no node is special: losing node 0 is
+    losing any node), on loopback or ``store_network``; started before the agents, stopped after them. None:
+    node 0's agent hosts it (a job that needs every node, or nodes in namespaces without a service network)."""
+    store_at = store_network or (LOOPBACK if nodes[0] == LOOPBACK else None)
+    if not elastic or store_at is None:
+        return None
+    port = free_port() if store_at == LOOPBACK else _RDZV_PORT_IN_NAMESPACE
+    return start_store(store_at.address, port, store_at.prefix)
 
 
 # What the agents' fork server imports once, so that no agent pays it: torch, its elastic agent, our agent.
