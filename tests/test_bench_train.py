@@ -62,6 +62,10 @@ def test_compose_settings_is_the_trainers_config_and_rejects_uneven_layouts():
     assert diloco.cluster.testbed.enabled and diloco.cluster.testbed.link_mbit == 50.0
     ceiling = compose_settings(["comm.sync_every=8"], "2x4", "ddp@loopback", 5, 50.0)
     assert (ceiling.comm.algorithm, ceiling.cluster.testbed.enabled) == ("ddp", False)
+    # Only DiLoCo's keys are left out: comm.inter_compression (a prefix of none of them) still reaches hierarchical.
+    hier = compose_settings(["comm.inter=sharded", "comm.outer_optim.lr=1.0", "comm.inter_compression=bf16"], "2x2",
+                            "hierarchical", 5, 0.0)
+    assert (hier.comm.algorithm, hier.comm.inter_compression) == ("hierarchical", "bf16")
     with pytest.raises(ValueError, match="'3,1'"):
         compose_settings([], "3,1", "flat", 5, 0.0)
 

@@ -42,6 +42,7 @@ __all__ = [
     "COMM_ALGORITHMS",
     "DEFAULT_OUTER_OPTIM",
     "DILOCO",
+    "DILOCO_KEYS",
     "REFERENCE_COMMS",
     "TORCH_HOOKS",
     "CONF_PACKAGE",
@@ -137,6 +138,9 @@ REFERENCE_COMMS = ("ddp", "hsdp")
 DILOCO = "diloco"
 COMM_ALGORITHMS = (*CHOOSABLE, *REFERENCE_COMMS, DILOCO)
 # comm=diloco's outer optimizer when comm.outer_optim is not given: the paper's Nesterov SGD.
+# comm=diloco's own keys of the comm node (refused under another comm; the train benchmark passes them to its
+# DiLoCo configurations only).
+DILOCO_KEYS = ("sync_every", "inter", "fragments", "overlap", "overlap_steps", "outer_optim")
 DEFAULT_OUTER_OPTIM = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.7, "momentum": 0.9,
                        "nesterov": True}
 # comm.torch_hook: torch's own DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks), comm=ddp only.
@@ -245,7 +249,7 @@ class CommConfig:
     def _refuse_diloco_keys(self) -> None:
         """comm=diloco's keys changed under another comm: said, not silently ignored."""
         defaults = CommConfig.__dataclass_fields__
-        for key in ("sync_every", "inter", "fragments", "overlap", "overlap_steps"):
+        for key in DILOCO_KEYS[:-1]:  # the outer optimizer, a node, below
             if getattr(self, key) != defaults[key].default:
                 raise ValueError(f"comm.{key}={getattr(self, key)!r} applies to comm=diloco only; "
                                  f"comm={self.algorithm} does not sync in intervals")

@@ -56,8 +56,6 @@ BENCH_COMMS = ("ddp", "flat", "hierarchical", "sharded", "auto", "hsdp",
                *(f"ddp+{h}" for h in ("bf16", "fp16", "powersgd")),
                "diloco", *(f"diloco+{k}" for k in ("bf16", "fp16", "fp8")))
 LOOPBACK = "@loopback"
-# comm=diloco's own keys: among the overrides, they apply to its configurations and are left out of the others'.
-DILOCO_KEYS = ("comm.sync_every", "comm.inter", "comm.fragments", "comm.overlap", "comm.outer_optim")  # prefixes
 
 
 def known_comm(spec: str) -> bool:
@@ -88,8 +86,14 @@ def compose_settings(overrides: list[str], layout: str, comm: str, steps: int, t
     loopback = comm.endswith(LOOPBACK)
     algorithm, _, variant = comm.removesuffix(LOOPBACK).partition("+")
     key = "comm.torch_hook" if algorithm == "ddp" else "comm.inter_compression"
-    if algorithm != "diloco":
-        overrides = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith(DILOCO_KEYS)]
+    if algorithm != "diloco":  # comm=diloco's own keys among the overrides reach its configurations only
+        from hybrid.app.config import DILOCO_KEYS
+
+        def diloco_key(override: str) -> bool:  # comm.inter or comm.outer_optim.lr, not comm.inter_compression
+            key = override.split("=", 1)[0].lstrip("+~")
+            return any(key == f"comm.{k}" or key.startswith(f"comm.{k}.") for k in DILOCO_KEYS)
+
+        overrides = [o for o in overrides if not diloco_key(o)]
     ours = [f"comm={algorithm}", *([f"{key}={variant}"] if variant else []),
             f"cluster.nnodes={parsed.nnodes}", f"cluster.nproc_per_node={parsed.node_sizes[0]}",
             f"trainer.max_steps={steps}", f"trainer.log_every={steps}", "trainer.checkpoint_every=0",
