@@ -246,7 +246,7 @@ class OuterSync:
 
             def complete_hierarchical() -> None:
                 if started is not None:
-                    self._timed("inter_allreduce", self._inter_bytes(delta), lambda: started.mean_into(delta))
+                    self._timed("inter_allreduce", self._inter_bytes(delta.numel()), lambda: started.mean_into(delta))
                 if g > 1:
                     self._timed("intra_broadcast", rooted_bytes(delta.nbytes, g),
                                 lambda: dist.broadcast(delta, src=topology.leader, group=self.groups.intra))
@@ -260,7 +260,7 @@ class OuterSync:
         started = self._start_inter(mine, self.groups.cross)
 
         def complete_sharded() -> None:
-            self._timed("inter_allreduce", self._inter_bytes(mine), lambda: started.mean_into(mine))
+            self._timed("inter_allreduce", self._inter_bytes(mine.numel()), lambda: started.mean_into(mine))
             self._timed("intra_broadcast", rooted_bytes(padded.nbytes, g),
                         lambda: dist.all_gather(shards, mine, group=self.groups.intra))
             delta.copy_(padded[:delta.numel()])
@@ -270,13 +270,13 @@ class OuterSync:
     def _start_inter(self, values: torch.Tensor, group: dist.ProcessGroup) -> _Started:
         return _Started(values, group, self.groups.topology.nnodes, self.compression)
 
-    def _inter_bytes(self, values: torch.Tensor) -> int:
-        """What this rank sends among nodes for ``values``: a ring all-reduce's 2(n-1)/n, or its encoded part
-        to each of the n-1 others."""
+    def _inter_bytes(self, numel: int) -> int:
+        """What one rank sends among nodes for ``numel`` fp32 values: a ring all-reduce's 2(n-1)/n of them, or
+        their encoded part to each of the n-1 others."""
         n = self.groups.topology.nnodes
         if self.compression == "none":
-            return allreduce_bytes(values.nbytes, n)
-        return (n - 1) * wire_bytes(values.numel(), self.compression)
+            return allreduce_bytes(numel * 4, n)
+        return (n - 1) * wire_bytes(numel, self.compression)
 
     def _timed(self, phase: str, nbytes: int, wait: Callable[[], Any]) -> None:
         start = time.perf_counter()
@@ -284,15 +284,8 @@ class OuterSync:
         self.counters.add(phase, time.perf_counter() - start, nbytes, start)
 
     def _bytes_per_sync(self) -> int:
-        """Bytes each node puts on its inter-node link per interval of H steps, all fragments together (a ring
-        all-reduce sends 2(n-1)/n of its input; a ring all-gather (n-1) parts)."""
-        n = self.groups.topology.nnodes
-        numel = sum(g.numel() for g in self.global_params)
-        if n == 1:
-            return 0
-        if self.compression == "none":
-            return int(2 * (n - 1) / n * numel * 4)
-        return (n - 1) * wire_bytes(numel, self.compression)  # an all-gather: its part to each other node
+        """Bytes each node puts on its inter-node link per interval of H steps, all fragments together."""
+        return self._inter_bytes(sum(g.numel() for g in self.global_params))
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume bitwise anywhere inside an interval. Collective where an exchange

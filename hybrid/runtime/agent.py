@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid.runtime.cpu_limit import join_deferred
+from hybrid.runtime.distributed import store_server
 
 __all__ = ["name_process", "run_agent", "run_forked_agent", "run_node"]
 
@@ -63,19 +64,10 @@ def _rank_and_result(entrypoint: Any, *args: Any) -> tuple[int, int, Any]:
     return int(os.environ["RANK"]), int(os.environ["GROUP_WORLD_SIZE"]), entrypoint(*args)
 
 
-def _store_on_node_address(endpoint: str, timeout_s: float) -> tuple[socket.socket, Any]:
-    """The rendezvous store's server, listening on ``endpoint``'s address only."""
-    from datetime import timedelta
 
-    from torch.distributed import TCPStore
-
-    from hybrid.runtime.distributed import listening_socket
-
+def _split(endpoint: str) -> tuple[str, int]:
     host, port = endpoint.rsplit(":", 1)
-    listener = listening_socket(host, int(port))
-    store = TCPStore(host, int(port), is_master=True, multi_tenant=True, master_listen_fd=listener.fileno(),
-                     wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-    return listener, store
+    return host, int(port)
 
 
 def run_node(
@@ -115,7 +107,7 @@ def run_node(
 
     # Kept alive (referenced) until the job ends.
     hosts = node_rank == 0 and not external_store
-    server = _store_on_node_address(rdzv_endpoint, timeout_s) if hosts and bind_store else None
+    server = store_server(*_split(rdzv_endpoint), timeout_s) if hosts and bind_store else None
     minimum = min_nnodes or nnodes
     # Node 0 hosts the store (unless it is off the nodes), said explicitly: simulated nodes share one hostname.
     rdzv_configs: dict[str, Any] = {"is_host": hosts, "join_timeout": int(timeout_s)}

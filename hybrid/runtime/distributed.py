@@ -91,3 +91,14 @@ def shutdown_distributed() -> None:
     """Destroy every process group; safe to call on the failure path too."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def store_server(host: str, port: int, timeout_s: float) -> tuple[socket.socket, Any]:
+    """A rendezvous store's server (torch's multi-tenant TCPStore) listening on ``host`` only: the socket and the
+    store. The store closes the socket when it goes (node 0's agent, :mod:`hybrid.runtime.rdzv_store`)."""
+    from torch.distributed import TCPStore
+
+    listener = listening_socket(host, port)
+    store = TCPStore(host, port, is_master=True, multi_tenant=True, master_listen_fd=listener.fileno(),
+                     wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return listener, store

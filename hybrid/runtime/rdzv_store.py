@@ -19,7 +19,6 @@ import select
 import subprocess
 import sys
 import time
-from datetime import timedelta
 
 __all__ = ["StoreProcess", "start_store", "serve"]
 
@@ -28,13 +27,9 @@ READY = "ready"
 
 def serve(host: str, port: int) -> None:
     """Host the store on ``host:port`` until standard input closes."""
-    from torch.distributed import TCPStore
+    from hybrid.runtime.distributed import store_server
 
-    from hybrid.runtime.distributed import listening_socket
-
-    listener = listening_socket(host, port)
-    store = TCPStore(host, port, is_master=True, multi_tenant=True, master_listen_fd=listener.fileno(),
-                     wait_for_workers=False, timeout=timedelta(seconds=60))
+    listener, store = store_server(host, port, 60.0)
     listener.detach()  # the store owns the socket now, and closes it
     print(READY, flush=True)
     sys.stdin.read()  # until the launcher closes the pipe or exits
