@@ -74,6 +74,11 @@ NONFINITE_ACTIONS = ("stop", "skip")
 ELASTIC_LR = ("keep", "scale")
 PRECISIONS = ("fp32", "bf16")
 INTRA_MODES = ("process", "thread")
+# cluster.recovery: how an elastic job survives a lost node (docs/reliability.md). restart: torch elastic restarts
+# every worker on the smaller membership, which resumes from the last checkpoint; in_place: the survivors'
+# processes stay, rebuild their process groups and continue from the last step they completed (hybrid.app.in_place).
+IN_PLACE = "in_place"
+RECOVERY_MODES = ("restart", IN_PLACE)
 
 
 @dataclass
@@ -125,6 +130,10 @@ class ClusterConfig:
     # so losing any node, node 0 included, is survivable. "": node 0 hosts it (an elastic local job runs its own
     # off the nodes). Not with the testbed, which runs its own in a namespace of its own.
     rdzv_endpoint: str = ""
+    # How an elastic job (min_nnodes < nnodes) survives a lost node: restart (every worker restarts and resumes
+    # from the last checkpoint) or in_place (no process restarts: the survivors rebuild their groups and go on
+    # from the last step they completed; process mode, comm ddp/flat/hierarchical/sharded/auto).
+    recovery: str = "restart"
     testbed: TestbedConfig = field(default_factory=TestbedConfig)
 
 
@@ -405,6 +414,7 @@ def validate(cfg: TrainSchema) -> TrainConfig:
     further) by :func:`hybrid.app.checks.prepare`."""
     _validate_cluster(cfg.cluster)
     cfg.comm.__post_init__()  # algorithm, backends, bucket size, timeout
+    _validate_recovery(cfg.cluster, cfg.comm.algorithm)
     if cfg.cluster.intra_mode == "thread" and cfg.comm.torch_hook != "none":
         raise ValueError(f"comm.torch_hook={cfg.comm.torch_hook} hooks torch DDP, which cluster.intra_mode=thread "
                          "does not run: use cluster.intra_mode=process")
@@ -426,6 +436,19 @@ def validate(cfg: TrainSchema) -> TrainConfig:
     _validate_schedule(optim)
     _validate_trainer(cfg.trainer)
     return TrainConfig(cfg.cluster, cfg.comm, model, data, loss, optim, cfg.trainer)
+
+
+def _validate_recovery(c: ClusterConfig, comm: str) -> None:
+    _one_of("cluster.recovery", c.recovery, RECOVERY_MODES)
+    if c.recovery != IN_PLACE:
+        return
+    if not 0 < c.min_nnodes < c.nnodes:
+        raise ValueError(f"cluster.recovery=in_place needs an elastic job: cluster.min_nnodes={c.min_nnodes} must be "
+                         f"in 1..{c.nnodes - 1} (below cluster.nnodes={c.nnodes})")
+    if c.intra_mode != "process" or comm in (DILOCO, "hsdp"):
+        what = "cluster.intra_mode=thread" if c.intra_mode != "process" else f"comm={comm}"
+        raise ValueError(f"cluster.recovery=in_place is not available with {what}: it rebuilds DDP's groups in "
+                         "process mode (comm ddp, flat, hierarchical, sharded, auto); use cluster.recovery=restart")
 
 
 def _validate_cluster(c: ClusterConfig) -> None:

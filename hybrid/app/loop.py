@@ -24,6 +24,7 @@ from hybrid.app.replicas.rank import Replicas, StateAccess, check_replicas, grad
 from hybrid.app.setup import Training
 from hybrid.app.state import error_feedback
 from hybrid.app.state.checkpoint import save_checkpoint
+from hybrid.app.state.held import Progress, checkpoint_meta
 from hybrid.app.state.membership import RunLayout
 from hybrid.app.targets import Component
 from hybrid.core.comm import Communicator, PhaseCounters
@@ -70,8 +71,8 @@ class Checkpointer:
                  membership: list[dict[str, Any]], rank: int, feedback: error_feedback.ErrorFeedback | None,
                  state: StateAccess) -> None:
         self.directory, self.keep = run_path / "checkpoints", trainer.keep_checkpoints
-        self.meta = {"model_config": model_config.node, "world_size": layout.world_size, "nnodes": layout.nnodes,
-                     "global_batch": layout.global_batch, "state_dict_kind": state.kind}
+        self.meta = checkpoint_meta(model_config.node, layout.world_size, layout.nnodes, layout.global_batch,
+                                    state.kind)
         self.membership, self.rank, self.feedback, self.state = membership, rank, feedback, state
 
     def save(self, step: int, replicas: Replicas, optimizer: Any, scheduler: Any, stream: BatchStream) -> None:
@@ -95,11 +96,14 @@ class Checkpointer:
 
 def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: Any,
                stream: BatchStream, processor: MetricsProcessor, checkpointer: Checkpointer, start_step: int,
-               grads_as_bucket_views: bool, device: torch.device) -> int:
+               grads_as_bucket_views: bool, device: torch.device, progress: Progress | None = None) -> int:
     """Steps ``start_step`` .. the last one (``max_steps``, or ``stop_after`` steps on); checks replicas and
-    writes checkpoints on schedule and at the end. Returns the last step."""
+    writes checkpoints on schedule and at the end. Returns the last step. ``progress``: kept up to date after
+    every step."""
     last = trainer.max_steps if not trainer.stop_after else min(trainer.max_steps, start_step + trainer.stop_after)
     recorder = processor.recorder
+    progress = progress if progress is not None else Progress()
+    progress.step, progress.data = start_step, stream.state()
     for step in range(start_step, last):
         done = step + 1
         processor.step_begin(done)
@@ -107,6 +111,7 @@ def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.opti
         loss = train_step(replicas, optimizer, scheduler, trainer, grads_as_bucket_views, step, processor)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # honest step time; this is a local wait, not a collective
+        progress.step, progress.data = done, stream.state()
         processor.step_done(done, loss, time.perf_counter() - started, scheduler.get_last_lr()[0], last)
         if trainer.check_replicas_every and done % trainer.check_replicas_every == 0:
             with recorder.span("check_replicas"):
@@ -128,7 +133,7 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
     processor = MetricsProcessor(cfg, topology, metrics, counters, comm, run.membership, run_path)
     checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, run.layout, run.membership, rank, feedback, run.state)
     last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor, checkpointer,
-                      run.start_step, cfg.comm.grad_as_bucket_view, device)
+                      run.start_step, cfg.comm.grad_as_bucket_view, device, run.progress)
     summary = getattr(replicas, "summary", None)  # what a replica kind adds to metrics.json (comm=diloco's)
     return processor.finish(replicas.local_models(), replicas.module, last, device, run_path, rank,
                             replicas.shard_index, summary() if summary is not None else None)

@@ -9,7 +9,7 @@ the same data position, and a checkpoint of one resumes in the other.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -28,6 +28,7 @@ from hybrid.app.replicas.diloco import CHECKPOINT_KEY as DILOCO_KEY
 from hybrid.app.replicas.rank import SHARDED_STATE_KIND, PlainState, StateAccess
 from hybrid.app.state import error_feedback
 from hybrid.app.state.checkpoint import checkpoint_steps, load_checkpoint
+from hybrid.app.state.held import HeldState, Progress
 from hybrid.app.state.membership import RunLayout, apply_lr_policy, describe_change, history_after_resume, start_history
 from hybrid.app.targets import Component, ComponentError, current_target, first_line
 from hybrid.runtime.distributed import broadcast_from_rank0
@@ -134,17 +135,47 @@ def check_state_kind(saved: str, wanted: str, where: str) -> None:
 def restore_training(trainer: TrainerConfig, model_config: Component, run_path: Path, rank: int, now: RunLayout,
                      metrics: Metrics, model: nn.Module, optimizer: Any, scheduler: Any,
                      streams: Sequence[BatchStream], residual_signature: dict[str, Any] | None = None,
-                     access: StateAccess | None = None,
+                     access: StateAccess | None = None, held: HeldState | None = None,
                      ) -> tuple[int, dict[str, Any] | None, list[dict[str, Any]], dict[str, Any]]:
-    """Load ``trainer.resume``'s checkpoint (or, after an elastic restart, this run's last one) into these
-    objects; return the step to start at (0: a fresh run), this rank's error-feedback residuals where
+    """Load ``trainer.resume``'s checkpoint (or, after an elastic restart, this run's last one; after recovery
+    in place, ``held``: a survivor's state from memory) into these objects; return the step to start at
+    (0: a fresh run), this rank's error-feedback residuals where
     the checkpoint has them for a run of signature ``residual_signature`` (see :mod:`hybrid.app.state.error_feedback`;
     None: this run does not compress), the run's layout history, and the checkpoint's entries that a replica
     kind loads itself (comm=diloco's nodes: :data:`hybrid.app.replicas.diloco.CHECKPOINT_KEY`). The checkpoint may come from another
     layout (:mod:`hybrid.app.state.membership`). ``access``: how model and optimizer state load (default: their
     own ``load_state_dict``). Collective over the default group."""
     access = access or PlainState()
-    start_step, mine, history, extra = 0, None, start_history(now), {}
+    history = start_history(now)
+    state, saved_residuals, where, why = _state_to_continue(trainer, run_path, rank, metrics, held)
+    if state is None:
+        return 0, None, history, {}
+    _check_resumable(state, model_config, where, access.kind)
+    access.load(model, optimizer, state["model"], state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    start_step = int(state["step"])
+    history, saved = history_after_resume(state, now, start_step, why)
+    # An older checkpoint's position counts its layout's batches: workers x the per-worker batch.
+    old_batch = saved.world_size * (now.global_batch // now.world_size // trainer.grad_accum_steps)
+    notes = {stream.restore(state["data"], old_batch) for stream in streams}  # all at one (epoch, sample)
+    for note in sorted(n for n in notes if n):
+        metrics.status(note)
+    if saved != now:
+        lr = apply_lr_policy(trainer.elastic_lr, saved, now, optimizer, scheduler)
+        metrics.status(describe_change(saved, now, lr))
+    mine = error_feedback.restore_residuals(saved_residuals, residual_signature, metrics.status)
+    extra = {key: state[key] for key in (DILOCO_KEY,) if key in state}
+    metrics.status(f"resumed from step {start_step} of {where}")
+    return start_step, mine, history, extra
+
+
+def _state_to_continue(trainer: TrainerConfig, run_path: Path, rank: int, metrics: Metrics,
+                       held: HeldState | None) -> tuple[dict[str, Any] | None, Any, Any, str]:
+    """The state a run continues from, on every rank (None: a fresh run), rank 0's error-feedback residuals
+    of it, where it comes from, and why (the membership history's words). Collective."""
+    if held is not None:
+        return held.share(), None, "the survivors' memory", held.why
     source = resume_target(trainer.resume, run_path)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
@@ -154,30 +185,13 @@ def restore_training(trainer: TrainerConfig, model_config: Component, run_path: 
         if broadcast_from_rank0(own):
             source = run_path
             metrics.status(f"restart {restart}: resuming from the last checkpoint in {run_path / 'checkpoints'}")
-    if source is not None:
-        state = load_checkpoint(source, log=metrics.status) if rank == 0 else None
-        # Every rank's residuals stay on rank 0 until each gets only its own, below.
-        saved_residuals = state.pop(error_feedback.CHECKPOINT_KEY, None) if state is not None else None
-        state = broadcast_from_rank0(state)
-        _check_resumable(state, model_config, source, access.kind)
-        access.load(model, optimizer, state["model"], state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        start_step = int(state["step"])
-        why = f"elastic restart {restart}" if restart else f"resumed from {source}"
-        history, saved = history_after_resume(state, now, start_step, why)
-        # An older checkpoint's position counts its layout's batches: workers x the per-worker batch.
-        old_batch = saved.world_size * (now.global_batch // now.world_size // trainer.grad_accum_steps)
-        notes = {stream.restore(state["data"], old_batch) for stream in streams}  # all at one (epoch, sample)
-        for note in sorted(n for n in notes if n):
-            metrics.status(note)
-        if saved != now:
-            lr = apply_lr_policy(trainer.elastic_lr, saved, now, optimizer, scheduler)
-            metrics.status(describe_change(saved, now, lr))
-        mine = error_feedback.restore_residuals(saved_residuals, residual_signature, metrics.status)
-        extra = {key: state[key] for key in (DILOCO_KEY,) if key in state}
-        metrics.status(f"resumed from step {start_step} of {source}")
-    return start_step, mine, history, extra
+    if source is None:
+        return None, None, None, ""
+    state = load_checkpoint(source, log=metrics.status) if rank == 0 else None
+    # Every rank's residuals stay on rank 0 until each gets only its own.
+    saved_residuals = state.pop(error_feedback.CHECKPOINT_KEY, None) if state is not None else None
+    return (broadcast_from_rank0(state), saved_residuals, source,
+            f"elastic restart {restart}" if restart else f"resumed from {source}")
 
 
 @dataclass
@@ -198,15 +212,17 @@ class Training:
     membership: list[dict[str, Any]]  # the layout history, this run's last (see hybrid.app.state.membership)
     state: StateAccess  # how checkpoints read and load the model and optimizer
     resumed_extra: dict[str, Any]  # the checkpoint's entries a replica kind loads itself (see restore_training)
+    progress: Progress = field(default_factory=Progress)  # the last completed step (the training loop keeps it)
 
 
 def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_sizes: Sequence[int],
            device: torch.device, run_path: Path, metrics: Metrics, process_rank: int,
-           state: StateAccess | None = None) -> Training:
+           state: StateAccess | None = None, held: HeldState | None = None) -> Training:
     """Build a run's training state for the replicas of global ranks ``stream_ranks`` (one in process mode,
     a node's in thread mode), restoring a checkpoint where the run resumes. Collective over the default
     group (``process_rank`` is this process's rank there). ``state``: how the model is prepared and its
-    state read and loaded (default :class:`~hybrid.app.replicas.rank.PlainState`; comm=hsdp shards)."""
+    state read and loaded (default :class:`~hybrid.app.replicas.rank.PlainState`; comm=hsdp shards). ``held``:
+    the state recovery in place continues from (:mod:`hybrid.app.state.held`)."""
     state = state or PlainState()
     dataset = load_dataset(cfg.data)
     model, optimizer, scheduler = build_training(cfg.model, cfg.optim, cfg.trainer, device, state)
@@ -220,6 +236,7 @@ def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_
     signature = error_feedback.signature(cfg.comm, cfg.cluster.intra_mode, node_sizes)
     now = RunLayout(len(node_sizes), world_size, world_size * cfg.data.batch_size * cfg.trainer.grad_accum_steps)
     start_step, residuals, history, extra = restore_training(cfg.trainer, cfg.model, run_path, process_rank, now, metrics,
-                                                      model, optimizer, scheduler, streams, signature, state)
+                                                      model, optimizer, scheduler, streams, signature, state,
+                                                             held)
     return Training(dataset, model, loss_fn, optimizer, scheduler, streams, start_step, signature, residuals, now,
                     history, state, extra)

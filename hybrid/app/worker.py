@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app.components.losses import batch_loss
-from hybrid.app.config import DILOCO, TrainConfig
+from hybrid.app.config import DILOCO, IN_PLACE, TrainConfig
+from hybrid.app.in_place import InPlace
 from hybrid.app.loop import train_and_report
 from hybrid.app.observability.metrics import Metrics, NullMetrics, TensorBoardMetrics
 from hybrid.app.observability.run_metrics import describe_auto_calibration
@@ -50,11 +51,11 @@ from hybrid.core.comm import (
 )
 from hybrid.core.comm.groups import resolve_backend
 from hybrid.core.timeline import StepRecorder
-from hybrid.core.topology import Topology, discover_topology
+from hybrid.core.topology import Topology, WorkerEnv, discover_topology
 from hybrid.runtime.distributed import broadcast_from_rank0, init_distributed, shutdown_distributed
 from hybrid.runtime.launch import PEER_GRACE_S, is_consequence
 
-__all__ = ["buffer_sync", "run_worker", "train_diloco", "train_hsdp", "train_process_mode", "train_thread_mode", "train_worker"]
+__all__ = ["buffer_sync", "run_in_place", "run_worker", "train_diloco", "train_hsdp", "train_process_mode", "train_thread_mode", "train_worker"]
 
 
 _BUFFER_SYNC_KEY = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
@@ -72,13 +73,68 @@ def buffer_sync(model: torch.nn.Module) -> dict[str, bool]:
 
 def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
     """Train on this rank; rank 0 returns the final metrics (also written to metrics.json)."""
+    if cfg.cluster.recovery == IN_PLACE:
+        return run_in_place(cfg, run_dir)
     env = init_distributed(cfg.comm.timeout_s)
-    metrics: Metrics = NullMetrics()
     failed = False
     try:
-        # Under torchrun every rank has its own Hydra dir: rank 0's is the run's.
-        run_path = Path(broadcast_from_rank0(run_dir))
+        return _run_session(cfg, env, run_dir)
+    except Exception as exc:
+        failed = True
+        _say_failed(env.rank, exc)
+        raise
+    finally:
+        if not failed:
+            # On failure the sockets close when this process exits, after torchelastic has recorded its
+            # error, so peers that then fail on the closed connection come second.
+            shutdown_distributed()
+
+
+def run_in_place(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
+    """:func:`run_worker` with ``cluster.recovery=in_place``: where a collective fails because a peer went, this
+    process stays, agrees with the other survivors on who is in, and trains on (:mod:`hybrid.app.in_place`)."""
+    session = InPlace(cfg)
+    env = session.env
+    try:
+        while True:
+            init_distributed(cfg.comm.timeout_s, session.group_store(), env)
+            try:
+                result = _run_session(cfg, env, run_dir, session)
+            except Exception as exc:
+                if not session.recoverable(exc):
+                    _say_failed(env.rank, exc)
+                    raise
+                env = session.recover(exc)
+                continue
+            session.finished()
+            shutdown_distributed()
+            return result
+    finally:
+        session.close()
+
+
+def _say_failed(rank: int, exc: BaseException) -> None:
+    # Said at once: the agent reports the first worker it sees exit, and a peer that finds this rank's
+    # connections closed can exit before this one has recorded its error.
+    print(f"rank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    if is_consequence(f"{type(exc).__name__}: {exc}"):
+        # A peer went first (its connections closed, or it stopped answering): leave its agent time to
+        # see that death before this exit, so the cause is what gets reported first.
+        time.sleep(PEER_GRACE_S)
+
+
+def _run_session(cfg: TrainConfig, env: WorkerEnv, run_dir: str | None,
+                 session: InPlace | None = None) -> dict[str, Any] | None:
+    """Set up and train in the current default group; rank 0 returns the result."""
+    metrics: Metrics = NullMetrics()
+    try:
+        # Under torchrun every rank has its own Hydra dir: rank 0's is the run's (after a recovery in place,
+        # every survivor knows it).
+        known = session.run_path if session is not None and session.run_path is not None else run_dir
+        run_path = Path(broadcast_from_rank0(str(known) if known is not None else None))
         topology = discover_topology(env)
+        if session is not None:
+            session.begin(topology, run_path)
         device = device_for(cfg.trainer, env.local_rank)
         threads = cfg.trainer.num_threads or int(os.environ.get("OMP_NUM_THREADS", "0")) or max(
             1, (os.cpu_count() or 1) // topology.local_world_size
@@ -86,43 +142,33 @@ def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
         torch.set_num_threads(threads)
         if env.rank == 0:
             metrics = TensorBoardMetrics(run_path / "tb", run_path)  # its status lines also go to train.log
-        return train_worker(cfg, topology, device, run_path, metrics, env.rank)
-    except Exception as exc:
-        # Said at once: the agent reports the first worker it sees exit, and a peer that finds this rank's
-        # connections closed can exit before this one has recorded its error.
-        print(f"rank {env.rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        failed = True
-        if is_consequence(f"{type(exc).__name__}: {exc}"):
-            # A peer went first (its connections closed, or it stopped answering): leave its agent time to
-            # see that death before this exit, so the cause is what gets reported first.
-            time.sleep(PEER_GRACE_S)
-        raise
+        return train_worker(cfg, topology, device, run_path, metrics, env.rank, session)
     finally:
         metrics.close()
-        if not failed:
-            # On failure the sockets close when this process exits, after torchelastic has recorded its
-            # error, so peers that then fail on the closed connection come second.
-            shutdown_distributed()
 
 
 def train_worker(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path,
-                 metrics: Metrics, rank: int) -> dict[str, Any] | None:
-    """This worker's part of the run, in the mode ``cluster.intra_mode`` asks for; rank 0 returns the result."""
+                 metrics: Metrics, rank: int, session: InPlace | None = None) -> dict[str, Any] | None:
+    """This worker's part of the run, in the mode ``cluster.intra_mode`` asks for; rank 0 returns the result.
+    ``session``: recovery in place's (process mode, DDP-based comms: the configuration refuses the others)."""
     if cfg.cluster.intra_mode == "thread":
         # This process is a whole node driving its devices' replicas (nn.DataParallel-style); same loop.
         return train_thread_mode(cfg, topology, device, run_path, metrics)
-    return train_process_mode(cfg, topology, device, run_path, metrics, rank)
+    return train_process_mode(cfg, topology, device, run_path, metrics, rank, session)
 
 
 def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path,
-                       metrics: Metrics, rank: int) -> dict[str, Any] | None:
+                       metrics: Metrics, rank: int, session: InPlace | None = None) -> dict[str, Any] | None:
     """One replica per process: this rank's model under DDP, its buckets averaged by ``comm`` (or, comm=hsdp,
     sharded by torch FSDP2)."""
     if cfg.comm.algorithm == "hsdp":
         return train_hsdp(cfg, topology, device, run_path, metrics, rank)
     if cfg.comm.algorithm == DILOCO:
         return train_diloco(cfg, topology, device, run_path, metrics, rank)
-    run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank)
+    run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank,
+                 held=session.held if session is not None else None)
+    if session is not None:
+        session.watch(run)
     ddp = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
               find_unused_parameters=cfg.comm.find_unused_parameters, **buffer_sync(run.model))

@@ -31,8 +31,52 @@ from typing import Any
 
 from hybrid.runtime.cpu_limit import join_deferred
 from hybrid.runtime.distributed import store_server
+from hybrid.runtime.rdzv_store import STORE_ENV
 
-__all__ = ["name_process", "run_agent", "run_forked_agent", "run_node"]
+__all__ = ["attempt_prefix", "name_process", "nodes_at_end_key", "run_agent", "run_forked_agent", "run_node"]
+
+
+def attempt_prefix(run_id: str, master_addr: str, master_port: str | int) -> str:
+    """The store keys of one attempt of one job's recovery in place: the workers of an attempt share torchrun's
+    ``MASTER_ADDR`` and ``MASTER_PORT`` (a fresh port each rendezvous round), so a restarted attempt never
+    reads an older one's."""
+    return f"hybrid/in_place/{run_id}/{master_addr}:{master_port}"
+
+
+def nodes_at_end_key(prefix: str) -> str:
+    """Where the workers leave how many nodes finished: the agents' exit barrier waits for those only."""
+    return f"{prefix}/nodes_at_end"
+
+
+EXIT_BARRIER_S = 300.0  # torch's own
+
+
+def _agent_class() -> Any:
+    """torch's LocalElasticAgent, with an exit barrier that counts only the nodes that finished.
+
+    After its workers succeed, each agent waits in a barrier for every agent of its rendezvous round. Where
+    the workers recovered in place from a lost node, that node's agent never arrives, and the others would
+    wait torch's 300 s. The workers leave the number of nodes that finished in the store
+    (:func:`nodes_at_end_key`); the barrier waits for that many."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.utils.store import barrier
+
+    class HybridAgent(LocalElasticAgent):
+        def _exit_barrier(self) -> None:
+            group = self._worker_group
+            store = self._store
+            raw = getattr(store, "underlying_store", store)
+            key = nodes_at_end_key(attempt_prefix(group.spec.rdzv_handler.get_run_id(), group.master_addr,
+                                                  group.master_port))
+            if not raw.check([key]):
+                return super()._exit_barrier()
+            nodes = int(raw.get(key))
+            try:
+                barrier(store, nodes, key_prefix="hybrid/exit_barrier", barrier_timeout=EXIT_BARRIER_S)
+            except Exception as exc:  # noqa: BLE001 - as torch's: a late agent does not fail a finished job
+                print(f"hybrid agent: exit barrier: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+    return HybridAgent
 
 
 def _write_result(job_dir: Path, node: int, status: str, payload: Any) -> None:
@@ -61,7 +105,9 @@ def _rank_and_result(entrypoint: Any, *args: Any) -> tuple[int, int, Any]:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     name_process(f"hybrid-rank-{os.environ['RANK']}")
-    return int(os.environ["RANK"]), int(os.environ["GROUP_WORLD_SIZE"]), entrypoint(*args)
+    result = entrypoint(*args)
+    # Read after the run: recovery in place gives a worker its place in the membership that finished.
+    return int(os.environ["RANK"]), int(os.environ["GROUP_WORLD_SIZE"]), result
 
 
 
@@ -103,8 +149,15 @@ def run_node(
     ``external_store``: the store at ``rdzv_endpoint`` is off the nodes (:mod:`hybrid.runtime.rdzv_store`):
     every agent joins it as a client, node 0 included.
     """
+    from torch.distributed.launcher import api as launcher_api
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    if external_store:
+        # The workers find the store off the nodes (recovery in place meets there), and the agent's exit
+        # barrier counts the nodes that finished (_agent_class). This process is the node's agent and nothing
+        # else: the launcher's agent class is ours for its lifetime.
+        os.environ[STORE_ENV] = rdzv_endpoint
+        launcher_api.LocalElasticAgent = _agent_class()
     # Kept alive (referenced) until the job ends.
     hosts = node_rank == 0 and not external_store
     server = store_server(*_split(rdzv_endpoint), timeout_s) if hosts and bind_store else None

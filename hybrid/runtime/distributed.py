@@ -24,15 +24,17 @@ from hybrid.core.topology import WorkerEnv
 __all__ = ["broadcast_from_rank0", "init_distributed", "listening_socket", "shutdown_distributed"]
 
 
-def init_distributed(timeout_s: float = 300.0) -> WorkerEnv:
+def init_distributed(timeout_s: float = 300.0, store: Any = None, env: WorkerEnv | None = None) -> WorkerEnv:
     """Initialise the default group (gloo on CPU; gloo for CPU + nccl for CUDA tensors).
 
     The default group carries only start-up exchanges and the training loop's
     own collectives; gradients travel on :class:`hybrid.core.comm.CommGroups`.
+    ``store`` and ``env``: where the group meets and this process's place in it (default: torchrun's
+    environment and the job's store); recovery in place gives both for each new membership.
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
-    env = WorkerEnv.from_env()
+    env = env or WorkerEnv.from_env()
     if dist.is_initialized():
         return env
     backend = "gloo"
@@ -40,7 +42,7 @@ def init_distributed(timeout_s: float = 300.0) -> WorkerEnv:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         backend = "cpu:gloo,cuda:nccl"
     timeout = timedelta(seconds=timeout_s)
-    store = _job_store(env.rank, env.world_size, timeout)
+    store = store if store is not None else _job_store(env.rank, env.world_size, timeout)
     if store is None:
         dist.init_process_group(backend=backend, init_method="env://", rank=env.rank,
                                 world_size=env.world_size, timeout=timeout)

@@ -20,9 +20,12 @@ import subprocess
 import sys
 import time
 
-__all__ = ["StoreProcess", "start_store", "serve"]
+__all__ = ["STORE_ENV", "StoreProcess", "start_store", "serve"]
 
 READY = "ready"
+# Where the workers of a job whose store is off the nodes find it (the agents export it): recovery in place
+# (hybrid.app.in_place) agrees on memberships there, since no training node's store outlives every fault.
+STORE_ENV = "HYBRID_RDZV_ENDPOINT"
 
 
 def serve(host: str, port: int) -> None:

@@ -1,0 +1,167 @@
+"""Recovery in place (``cluster.recovery=in_place``): survive a lost node without restarting any process.
+
+With restarts (the default), a worker whose collective fails exits, every agent
+restarts its workers on the smaller membership, and the job resumes from its
+last checkpoint. In place, the workers of the surviving nodes keep their
+processes:
+
+1. a worker whose collective fails (a peer died, its link went down) takes its
+   state as of the last step it completed (:mod:`hybrid.app.state.held`), and
+   destroys every process group it holds, so the peers still blocked on it fail
+   at once instead of at their timeout;
+2. the survivors agree on the new membership through the store that no training
+   node hosts (:mod:`hybrid.runtime.quorum`);
+3. they build a new default group there and run the job's set-up again, which
+   rebuilds every other group (intra, leaders, cross, DDP's), with the state of
+   the survivor that completed the most steps sent to all over the new group,
+   as a checkpoint would be read from disk: the membership history, the LR
+   policy (``trainer.elastic_lr``) and the data position change exactly as
+   with a restart; at most the step in flight is lost.
+
+A worker's torchrun environment (``RANK``, ``WORLD_SIZE``, ``GROUP_RANK`` ...)
+follows its place in the new membership. The store's address reaches the workers
+as ``HYBRID_RDZV_ENDPOINT`` (hybrid's launcher sets it for elastic jobs; under
+torchrun, export it with the ``--rdzv-endpoint`` of a store off the nodes).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybrid.app.config import TrainConfig
+from hybrid.app.setup import Training
+from hybrid.app.state.held import HeldState, checkpoint_meta
+from hybrid.core.topology import Topology, WorkerEnv
+from hybrid.runtime.agent import attempt_prefix, nodes_at_end_key
+from hybrid.runtime.launch import is_consequence
+from hybrid.runtime.quorum import Member, Membership, Quorum
+from hybrid.runtime.rdzv_store import STORE_ENV
+
+__all__ = ["DEAD_AFTER_S", "STORE_ENV", "InPlace", "attempt_prefix", "nodes_at_end_key"]
+
+# A worker whose heartbeat (every 0.1 s) stands still this long counts as gone: long enough for a process
+# sharing a busy machine's cores, short enough to keep a recovery within a few seconds.
+DEAD_AFTER_S = 1.0
+
+
+class InPlace:
+    """This worker's side of recovery in place: the store, its heartbeat, the membership, and what the
+    current attempt of the training continues from."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        endpoint = os.environ.get(STORE_ENV, "")
+        if ":" not in endpoint:
+            raise RuntimeError(f"cluster.recovery=in_place needs a rendezvous store that no training node hosts, "
+                               f"named by {STORE_ENV}=HOST:PORT (hybrid's launcher sets it for elastic jobs: "
+                               f"cluster.min_nnodes < cluster.nnodes); got {endpoint!r}")
+        host, port = endpoint.rsplit(":", 1)
+        timeout = timedelta(seconds=cfg.comm.timeout_s)
+        self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        self.prefix = attempt_prefix(os.environ.get("TORCHELASTIC_RUN_ID", "none"), os.environ.get("MASTER_ADDR", ""),
+                                     os.environ.get("MASTER_PORT", ""))
+        self.quorum = Quorum(self.store, self.prefix, DEAD_AFTER_S, cfg.comm.timeout_s)
+        self.env = WorkerEnv.from_env()
+        self.me = Member(self.env.node, self.env.local_rank)
+        # The heartbeat's own client: a blocking wait on the other never holds it up.
+        self._heart = self.quorum.heartbeat(self.me, dist.TCPStore(host, int(port), is_master=False, timeout=timeout))
+        self.cfg = cfg
+        self.membership: Membership | None = None
+        self.run: Training | None = None
+        self.run_path: Path | None = None
+        self.held: HeldState | None = None
+
+    def group_store(self) -> Any:
+        """Where the current membership's default group meets."""
+        epoch = self.membership.epoch if self.membership is not None else 0
+        return dist.PrefixStore(f"{self.prefix}/group{epoch}", self.store)
+
+    def begin(self, topology: Topology, run_path: Path) -> None:
+        """The first membership, once the job's topology is known (ranks in node order, as torchrun gives them)."""
+        self.run_path = run_path
+        if self.membership is None:
+            self.membership = Membership(0, tuple(Member(node, local) for node, ranks in enumerate(topology.nodes)
+                                                  for local in range(len(ranks))))
+
+    def watch(self, run: Training) -> None:
+        """The training this worker continues from if a collective fails (its progress, kept by the loop)."""
+        self.run = run
+
+    def recoverable(self, exc: BaseException) -> bool:
+        """A failure a peer caused (closed connections, a timed-out collective), after the first membership."""
+        return self.membership is not None and is_consequence(f"{type(exc).__name__}: {exc}")
+
+    def recover(self, exc: BaseException) -> WorkerEnv:
+        """Leave every group, agree on who is in, and return this worker's place in the new membership (also
+        in its torchrun environment). Raises :class:`hybrid.runtime.quorum.LeftOut` where it is not in."""
+        started = time.monotonic()
+        step = self.run.progress.step if self.run is not None else -1
+        state = self._state()
+        _leave_groups()
+        old = self.membership
+        assert old is not None
+        new = self.quorum.agree(old, Member(self.me.node, self.me.local_rank, step))
+        self.membership = new
+        env = new.env_of(self.me.node, self.me.local_rank)
+        _export(env, len(new.nodes))
+        lost = sorted(set(old.nodes) - set(new.nodes))
+        why = f"in place: node(s) {lost} lost" if lost else "in place: a collective failed, every node still in"
+        self.held = HeldState(state if env.rank == new.source() else None, new.source(), why)
+        print(f"worker {self.me.key}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}; recovering in place: "
+              f"rank {env.rank} of {env.world_size} on {len(new.nodes)} node(s), continuing from step "
+              f"{new.members[new.source()].step} ({time.monotonic() - started:.2f} s)", file=sys.stderr, flush=True)
+        self.env = env
+        return env
+
+    def finished(self) -> None:
+        """Say how many nodes finished, for the agents' exit barrier (lost nodes' agents never arrive there)."""
+        if self.membership is not None:
+            self.store.set(nodes_at_end_key(self.prefix), str(len(self.membership.nodes)))
+
+    def close(self) -> None:
+        self._heart.stop()
+
+    def _state(self) -> dict[str, Any] | None:
+        """This worker's state as of its last completed step, as a checkpoint holds it (None: no run yet)."""
+        run = self.run
+        if run is None:
+            return self.held.state if self.held is not None else None
+        layout = run.layout
+        return {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+                "scheduler": run.scheduler.state_dict(), "step": run.progress.step, "data": dict(run.progress.data),
+                "rng": torch.get_rng_state(), "membership": list(run.membership),
+                **checkpoint_meta(self.cfg.model.node, layout.world_size, layout.nnodes, layout.global_batch,
+                                  run.state.kind)}
+
+
+def _leave_groups() -> None:
+    """Abort, then destroy, every process group this process holds: their connections close at once, so a
+    peer blocked on one of them fails now rather than at its timeout."""
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_names):  # every group, the default one included
+        try:
+            group.abort()
+        except Exception:  # noqa: BLE001 - already broken: destroying it below is what matters
+            pass
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        c10d._world.pg_map.clear()
+        c10d._update_default_pg(None)
+
+
+def _export(env: WorkerEnv, nnodes: int) -> None:
+    """This worker's torchrun environment in the new membership."""
+    os.environ.update({"RANK": str(env.rank), "WORLD_SIZE": str(env.world_size), "GROUP_RANK": str(env.node),
+                       "LOCAL_WORLD_SIZE": str(env.local_world_size), "GROUP_WORLD_SIZE": str(nnodes),
+                       "ROLE_RANK": str(env.rank), "ROLE_WORLD_SIZE": str(env.world_size)})
