@@ -195,3 +195,49 @@ def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membersh
     assert f"layout changed since the checkpoint: nnodes 3 -> 2, world size {3 * nproc} -> {2 * nproc}" in out
     if comm == "diloco":  # syncs at 4, 8 and 12..28 after the restart, and the end
         assert metrics["diloco"]["outer_steps"] == 8 and metrics["diloco"]["sync_every"] == 4
+
+
+# In place (cluster.recovery=in_place): the survivors keep their processes. Node 0 in the first case (the store is
+# off the nodes, so it is lost like any other, and the new rank 0 writes the metrics), node 2 in the second.
+@pytest.mark.parametrize("nproc, comm, lost", [(1, "ddp", 0), (2, "sharded", 2)])
+@pytest.mark.background  # mostly waits (the lost node's heartbeat): beside the first tiers
+def test_in_place_a_killed_node_costs_no_restart_and_at_most_the_step_in_flight(nproc, comm, lost, tmp_path):
+    """3 nodes, cluster.min_nnodes=2, cluster.recovery=in_place: node ``lost``'s agent and workers are
+    SIGKILLed mid-run. The other nodes' workers are the same processes before and after; they agree on the
+    new membership, continue from the last step one of them completed (no checkpoint read), finish every
+    step with identical replicas, and leave no process behind."""
+    import json
+    import os
+    import signal
+    import time
+
+    from helpers.processes import all_gone, workers
+
+    job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
+              "cluster.max_restarts=1", "cluster.recovery=in_place", f"comm={comm}", "comm.timeout_s=60",
+              "trainer.max_steps=30", "trainer.checkpoint_every=5", "trainer.log_every=1", "trainer.elastic_lr=scale",
+              "model.width=512", "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
+    job.wait_for(r"^step 11/", timeout=180)
+    everything = [job.proc.pid, *descendants(job.proc.pid)]  # the store, the agents, the workers
+    before = workers(job.proc.pid)
+    agent = agent_of_node(job.proc.pid, lost)
+    killed = [agent, *descendants(agent)]
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    job.wait_for(r"^resumed from step \d+ of the survivors' memory", timeout=120)
+    job.wait_for(r"^step \d+/", timeout=60)
+    print(f"node {lost} killed -> next step on 2 nodes, in place: {time.monotonic() - start:.2f} s")
+    assert workers(job.proc.pid) == sorted(set(before) - set(killed))  # no survivor restarted
+    code, out, _ = job.finish(timeout=120)
+    assert code == 0, out[-3000:]
+    assert "restart 1" not in out and "resuming from the last checkpoint" not in out
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["steps"] == 30 and metrics["world_size"] == 2 * nproc and metrics["nnodes"] == 2
+    assert metrics["param_checksums_identical"]
+    history = metrics["membership"]
+    assert [(m["nnodes"], m["world_size"], m["why"]) for m in history] == [
+        (3, 3 * nproc, "start"), (2, 2 * nproc, f"in place: node(s) [{lost}] lost")]
+    assert 11 <= history[1]["step"] <= 12  # the last step completed when the node died: at most one in flight
+    assert "learning rate scaled by 0.6667 (trainer.elastic_lr=scale)" in out
+    assert all_gone(everything, within_s=15)
