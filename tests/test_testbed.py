@@ -314,6 +314,38 @@ def test_a_node_whose_links_go_down_is_left_behind_and_the_job_finishes_on_the_o
     assert ours() == []
 
 
+@pytest.mark.testbed
+@needs_testbed
+def test_in_place_a_node_whose_link_goes_down_is_left_out_within_the_timeout(tmp_path):
+    """3x1 on the testbed, cluster.recovery=in_place: after step 11 node 1's NIC goes down. Nodes 0 and 2 time
+    out on it (comm.timeout_s), agree without it (its heartbeat no longer reaches the store in the service
+    namespace) and train on in the same processes from the step they completed; the run exits 0."""
+    import time
+
+    from helpers.processes import Job
+
+    timeout_s = 8
+    job = Job(tmp_path, "cluster.testbed.enabled=true", "cluster.testbed.link_mbit=500", "cluster.nnodes=3",
+              "cluster.nproc_per_node=1", "cluster.min_nnodes=2", "cluster.max_restarts=1",
+              "cluster.recovery=in_place", f"comm.timeout_s={timeout_s}", "trainer.max_steps=20",
+              "trainer.log_every=1", "model.width=512", "data.num_samples=2048", f"data.root={tmp_path / 'data'}",
+              "hydra.run.dir=run")
+    job.wait_for(r"^step 11/", timeout=180)
+    subprocess.run(["ip", "netns", "exec", f"hybrid-{job.proc.pid}-n1", "ip", "link", "set", "nic0", "down"],
+                   check=True, timeout=30)
+    down = time.monotonic()
+    job.wait_for(r"^resumed from step \d+ of the survivors' memory", timeout=timeout_s + 60)
+    job.wait_for(r"^step \d+/", timeout=60)
+    print(f"node 1's link down -> next step on nodes 0 and 2, in place: {time.monotonic() - down:.1f} s "
+          f"(comm.timeout_s={timeout_s})")
+    code, out, _ = job.finish(timeout=300)
+    assert code == 0, out[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["steps"] == 20 and metrics["world_size"] == 2 and metrics["param_checksums_identical"]
+    assert [(m["nnodes"], m["why"]) for m in metrics["membership"]] == [(3, "start"), (2, "in place: node(s) [1] lost")]
+    assert ours() == []
+
+
 # Two workers per node: with one, a step's compute (6-12 ms) is near the quota's 10 ms period and the ratio found
 # fell to 1.96-2.6 on some runs (4.0 on others); with two it is 3.4-7.7.
 STRAGGLER_RUN = ["cluster.testbed.enabled=true", "cluster.testbed.link_mbit=1000", "comm=hierarchical",

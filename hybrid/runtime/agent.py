@@ -79,10 +79,12 @@ def _agent_class() -> Any:
     return HybridAgent
 
 
-def _write_result(job_dir: Path, node: int, status: str, payload: Any) -> None:
+def _write_result(job_dir: Path, node: int, status: str, payload: Any, nodes: int = 0) -> None:
+    """The node's outcome for the launcher: status, payload (the results by rank, or the failure) and how many
+    nodes the workers' last membership had (0: unknown)."""
     final = job_dir / f"result-{node}.pkl"
     tmp = job_dir / f".result-{node}.tmp"
-    tmp.write_bytes(pickle.dumps((status, payload)))
+    tmp.write_bytes(pickle.dumps((status, payload, nodes)))
     os.replace(tmp, final)
 
 
@@ -180,9 +182,16 @@ def run_node(
         local_addr=local_addr,
     )
     per_local_rank = elastic_launch(config, _rank_and_result)(entrypoint, *args)
+    nodes = min(nodes for _, nodes, _ in per_local_rank.values())
     if bind_store and not external_store:  # the server is dropped only after this, when run_node returns
-        _leave_together(server, rdzv_endpoint, run_id, min(nodes for _, nodes, _ in per_local_rank.values()))
+        _leave_together(server, rdzv_endpoint, run_id, nodes)
+    LAST_MEMBERSHIP_NODES[0] = nodes
     return {rank: result for rank, _, result in per_local_rank.values()}
+
+
+# How many nodes the workers' last membership had, as the last run_node in this process saw it: what the
+# launcher waits for before it stops the agents of nodes lost on the way (see hybrid.runtime.launch._wait).
+LAST_MEMBERSHIP_NODES = [0]
 
 
 LEAVE_TIMEOUT_S = 10.0
@@ -247,7 +256,7 @@ def run_agent(job_dir: Path, node: int) -> int:
             min_nnodes=meta.get("min_nnodes"), last_call_s=int(meta.get("last_call_s", 10)),
             start_method=meta.get("start_method", "spawn"), external_store=bool(meta.get("external_store")),
         )
-        _write_result(job_dir, node, "ok", by_rank)
+        _write_result(job_dir, node, "ok", by_rank, LAST_MEMBERSHIP_NODES[0])
         return 0
     except ChildFailedError as exc:
         _write_result(job_dir, node, "failed", exc.format_msg())

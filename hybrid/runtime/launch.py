@@ -153,7 +153,7 @@ def launch_local(
             if "GLOO_SOCKET_IFNAME" not in (env or {}):  # an explicit env wins; the node's NIC otherwise
                 node_env["GLOO_SOCKET_IFNAME"] = node.ifname
             agents.append(_start_agent(job_dir, i, node, node_env, entrypoint))
-        _wait(agents, layout, timeout_s, minimum)
+        _wait(agents, layout, timeout_s, minimum, job_dir=job_dir)
         return _collect(job_dir, agents, minimum)
     finally:
         _stop(agents)
@@ -311,7 +311,20 @@ def _result(job_dir: Path, node: int, agent: subprocess.Popen) -> tuple[str, Any
     path = job_dir / f"result-{node}.pkl"
     if not path.is_file():
         return "failed", f"agent exited with code {agent.returncode} without a result"
-    return pickle.loads(path.read_bytes())
+    return pickle.loads(path.read_bytes())[:2]
+
+
+def _finished_together(job_dir: Path | None, agents: list[subprocess.Popen]) -> bool:
+    """Whether as many agents have finished as their workers' last membership had nodes: the others are lost
+    nodes' (cut off, say), with nothing left to wait for."""
+    done = [i for i, agent in enumerate(agents) if agent.poll() == 0]
+    if job_dir is None or not done:
+        return False
+    try:
+        nodes = max(pickle.loads((job_dir / f"result-{i}.pkl").read_bytes())[2] for i in done)
+    except (OSError, EOFError, pickle.UnpicklingError, IndexError):
+        return False
+    return 0 < nodes <= len(done)
 
 
 def _describe(failures: list[tuple[int, str]]) -> str:
@@ -331,13 +344,15 @@ def _describe(failures: list[tuple[int, str]]) -> str:
 
 
 def _wait(agents: list[subprocess.Popen], layout: Layout, timeout_s: float, min_nnodes: int | None = None,
-          grace_s: float = 10.0, failed_grace_s: float = 5.0) -> None:
+          grace_s: float = 10.0, failed_grace_s: float = 5.0, job_dir: Path | None = None) -> None:
     """Until every agent exits. When one fails, the others get ``failed_grace_s`` to fail on their own (so
     their reports are read too; an agent reports within a few seconds of its workers' failure), then the
     launcher stops them: they would only time out, or hang on a rendezvous store they cannot reach. Elastic
     (``min_nnodes``): while at least that many agents have not failed, the job goes on without the others;
     once one has finished, the job has (the last membership's agents finish together), and an agent still
-    running after ``grace_s`` is a lost node's (cut off from the rendezvous, say), stopped by the caller."""
+    running after ``grace_s`` is a lost node's (cut off from the rendezvous, say), stopped by the caller; sooner
+    where the finished agents' results (in ``job_dir``) say how many nodes the last membership had and that many
+    have finished."""
     deadline = time.monotonic() + timeout_s
     elastic = bool(min_nnodes) and min_nnodes < len(agents)
     while True:
@@ -345,7 +360,11 @@ def _wait(agents: list[subprocess.Popen], layout: Layout, timeout_s: float, min_
         if all(c is not None for c in codes):
             return
         if elastic and 0 in codes:
-            _wait_each(agents, time.monotonic() + grace_s)
+            end = time.monotonic() + grace_s
+            while time.monotonic() < end and not _finished_together(job_dir, agents):
+                if all(a.poll() is not None for a in agents):
+                    return
+                time.sleep(0.1)
             return
         if any(c not in (None, 0) for c in codes) and sum(c in (None, 0) for c in codes) < (min_nnodes or len(agents)):
             _wait_each(agents, time.monotonic() + failed_grace_s)
