@@ -41,6 +41,7 @@ from hybrid.app.setup import Training
 from hybrid.app.state.held import HeldState, checkpoint_meta
 from hybrid.core.topology import Topology, WorkerEnv
 from hybrid.runtime.agent import attempt_prefix, nodes_at_end_key
+from hybrid.runtime.distributed import cut_connections, socket_inodes
 from hybrid.runtime.launch import is_consequence
 from hybrid.runtime.quorum import Member, Membership, Quorum
 from hybrid.runtime.rdzv_store import STORE_ENV
@@ -63,6 +64,7 @@ class InPlace:
                                f"named by {STORE_ENV}=HOST:PORT (hybrid's launcher sets it for elastic jobs: "
                                f"cluster.min_nnodes < cluster.nnodes); got {endpoint!r}")
         host, port = endpoint.rsplit(":", 1)
+        self.endpoint = (host, int(port))
         timeout = timedelta(seconds=cfg.comm.timeout_s)
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         self.prefix = attempt_prefix(os.environ.get("TORCHELASTIC_RUN_ID", "none"), os.environ.get("MASTER_ADDR", ""),
@@ -77,6 +79,7 @@ class InPlace:
         self.run: Training | None = None
         self.run_path: Path | None = None
         self.held: HeldState | None = None
+        self._spare = socket_inodes()  # the agent's (shared by a forked worker) and the store's: never cut
 
     def group_store(self) -> Any:
         """Where the current membership's default group meets."""
@@ -102,6 +105,9 @@ class InPlace:
         """Leave every group, agree on who is in, and return this worker's place in the new membership (also
         in its torchrun environment). Raises :class:`hybrid.runtime.quorum.LeftOut` where it is not in."""
         started = time.monotonic()
+        cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        cut_connections(self.endpoint, self._spare)  # every collective still pending here, and on peers, fails now
+        _forget_frames(exc)
         step = self.run.progress.step if self.run is not None else -1
         state = self._state()
         _leave_groups()
@@ -114,7 +120,7 @@ class InPlace:
         lost = sorted(set(old.nodes) - set(new.nodes))
         why = f"in place: node(s) {lost} lost" if lost else "in place: a collective failed, every node still in"
         self.held = HeldState(state if env.rank == new.source() else None, new.source(), why)
-        print(f"worker {self.me.key}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}; recovering in place: "
+        print(f"worker {self.me.key}: {cause}; recovering in place: "
               f"rank {env.rank} of {env.world_size} on {len(new.nodes)} node(s), continuing from step "
               f"{new.members[new.source()].step} ({time.monotonic() - started:.2f} s)", file=sys.stderr, flush=True)
         self.env = env
@@ -141,12 +147,28 @@ class InPlace:
                                   run.state.kind)}
 
 
+def _forget_frames(exc: BaseException | None) -> None:
+    """Drop the failed session's frames, which the exception (and those it chains) keep alive with their
+    locals: DDP, the communicator and its groups. A gloo group's connections close only when the last
+    reference to it goes (neither abort nor destroy closes them), and until they close a peer blocked on
+    one of them waits for its timeout."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        exc = exc.__context__ or exc.__cause__
+
+
 def _leave_groups() -> None:
-    """Abort, then destroy, every process group this process holds: their connections close at once, so a
-    peer blocked on one of them fails now rather than at its timeout."""
-    if not dist.is_initialized():
-        return
+    """Abort, destroy and let go of every process group this process holds: their connections close at once,
+    so a peer blocked on one of them fails now rather than at its timeout."""
+    import gc
+
     from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        gc.collect()
+        return
 
     for group in list(c10d._world.pg_names):  # every group, the default one included
         try:
@@ -158,6 +180,7 @@ def _leave_groups() -> None:
     except Exception:  # noqa: BLE001
         c10d._world.pg_map.clear()
         c10d._update_default_pg(None)
+    gc.collect()  # DDP and the communicator hold their groups in reference cycles
 
 
 def _export(env: WorkerEnv, nnodes: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ import torch.distributed as dist
 
 from hybrid.core.topology import WorkerEnv
 
-__all__ = ["broadcast_from_rank0", "init_distributed", "listening_socket", "shutdown_distributed"]
+__all__ = ["broadcast_from_rank0", "cut_connections", "init_distributed", "listening_socket", "shutdown_distributed",
+           "socket_inodes"]
 
 
 def init_distributed(timeout_s: float = 300.0, store: Any = None, env: WorkerEnv | None = None) -> WorkerEnv:
@@ -104,3 +106,52 @@ def store_server(host: str, port: int, timeout_s: float) -> tuple[socket.socket,
     store = TCPStore(host, port, is_master=True, multi_tenant=True, master_listen_fd=listener.fileno(),
                      wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     return listener, store
+
+
+def socket_inodes() -> set[str]:
+    """The sockets this process holds now (``socket:[inode]``; empty where /proc is not there)."""
+    fds = Path("/proc/self/fd")
+    found = set()
+    for entry in fds.iterdir() if fds.is_dir() else ():
+        try:
+            link = os.readlink(entry)
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            found.add(link)
+    return found
+
+
+def cut_connections(keep: tuple[str, int], spare: set[str]) -> int:
+    """Shut down every connected TCP socket of this process except those to ``keep`` (the store) and those in
+    ``spare`` (:func:`socket_inodes` taken before any group existed: a forked worker shares its agent's
+    sockets, and shutting one down would cut the agent's too). This is what a gloo group's abort does not
+    do: gloo closes a group's connections only when the last reference to the group goes, and a collective
+    blocked on a peer fails only when that peer's connection closes, or at its timeout; a thread still
+    blocked in one (DDP's hook, the ordered stream) holds such references. Shut down, every pending
+    collective of this process fails at once, and so does every peer's that waits on it. Linux
+    (/proc/self/fd); elsewhere nothing is cut. Returns how many were."""
+    fds = Path("/proc/self/fd")
+    if not fds.is_dir():
+        return 0
+    store = (socket.gethostbyname(keep[0]), keep[1])
+    cut = 0
+    for entry in list(fds.iterdir()):
+        try:
+            link = os.readlink(entry)
+            if not link.startswith("socket:") or link in spare:
+                continue
+            sock = socket.socket(fileno=os.dup(int(entry.name)))
+        except OSError:
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+                peer = sock.getpeername()[:2]
+                if (peer[0], peer[1]) != store:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    cut += 1
+        except OSError:
+            pass  # not connected (a listening socket) or already shut
+        finally:
+            sock.close()  # the duplicate only: the group's own descriptor stays until gloo lets it go
+    return cut

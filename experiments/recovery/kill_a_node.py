@@ -1,0 +1,123 @@
+"""What a lost node costs, per recovery mode: SIGKILL one node's agent and workers mid-run, time it.
+
+For each configuration, N runs of ``python -m hybrid.train`` (3 nodes, ``cluster.min_nnodes=2``): after step 11 the
+lost node's agent and every process under it are SIGKILLed; the figure is the time from the kill to the next
+``step N/`` line rank 0 prints (the next completed step), with the step it continued from, whether any survivor
+process was restarted (its PIDs), and the exit code. Prints one Markdown table.
+
+    python experiments/recovery/kill_a_node.py --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIGS = [  # (label, nproc per node, comm, lost node, recovery)
+    ("3x1 hierarchical, restart", 1, "hierarchical", 2, "restart"),
+    ("3x1 hierarchical, in place", 1, "hierarchical", 2, "in_place"),
+    ("3x2 sharded, restart", 2, "sharded", 2, "restart"),
+    ("3x2 sharded, in place", 2, "sharded", 2, "in_place"),
+    ("3x1 ddp, node 0, in place", 1, "ddp", 0, "in_place"),
+]
+
+
+def _tree() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            tree.setdefault(parent, []).append(int(entry))
+    return tree
+
+
+def _under(pid: int) -> list[int]:
+    tree, out, todo = _tree(), [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def one_run(nproc: int, comm: str, lost: int, recovery: str, where: Path) -> dict:
+    job = subprocess.Popen(
+        [sys.executable, "-m", "hybrid.train", "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}",
+         "cluster.min_nnodes=2", "cluster.max_restarts=2", "cluster.rdzv_last_call_s=2", f"cluster.recovery={recovery}",
+         f"comm={comm}", "comm.timeout_s=60", "trainer.max_steps=30", "trainer.checkpoint_every=5",
+         "trainer.log_every=1", "model.width=512", "data.num_samples=2048", f"data.root={where / 'data'}",
+         "hydra.run.dir=run"], cwd=where, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
+
+    def until(pattern: str) -> re.Match:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = job.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if found := re.search(pattern, line):
+                return found
+        raise RuntimeError(f"never saw {pattern!r}:\n{''.join(lines[-30:])}")
+
+    until(r"^step 11/")
+    agents = {_name(p): p for p in _under(job.pid) if _name(p).startswith("hybrid-agent-")}
+    workers_before = {p for a in agents.values() for p in _under(a) if _name(p).startswith("hybrid-rank-")}
+    victim = agents[f"hybrid-agent-{lost}"]
+    killed = [victim, *_under(victim)]
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    continued = int(until(r"^resumed from step (\d+)").group(1))
+    until(r"^step \d+/")
+    seconds = time.monotonic() - start
+    workers_after = {p for p in _under(job.pid) if _name(p).startswith("hybrid-rank-")}
+    rest, _ = job.communicate(timeout=300)
+    metrics = json.loads((where / "run" / "metrics.json").read_text()) if job.returncode == 0 else {}
+    return {"seconds": seconds, "continued_from": continued, "exit": job.returncode,
+            "same_pids": workers_after == workers_before - set(killed),
+            "identical": metrics.get("param_checksums_identical"), "steps": metrics.get("steps")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    print("| configuration | kill -> next completed step (s), each run | median | continued from step | "
+          "survivors' processes kept | exit, steps, replicas |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for label, nproc, comm, lost, recovery in CONFIGS:
+        runs = []
+        for _ in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix="hybrid-recovery-") as where:
+                runs.append(one_run(nproc, comm, lost, recovery, Path(where)))
+        times = [r["seconds"] for r in runs]
+        print(f"| {label} | {', '.join(f'{t:.2f}' for t in times)} | {statistics.median(times):.2f} | "
+              f"{', '.join(str(r['continued_from']) for r in runs)} | "
+              f"{'yes' if all(r['same_pids'] for r in runs) else 'no'} | "
+              f"{', '.join(str(r['exit']) for r in runs)}; {runs[0]['steps']} steps; "
+              f"{'identical' if all(r['identical'] for r in runs) else 'NOT identical'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
