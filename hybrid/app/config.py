@@ -76,7 +76,7 @@ PRECISIONS = ("fp32", "bf16")
 INTRA_MODES = ("process", "thread")
 # cluster.recovery: how an elastic job survives a lost node (docs/reliability.md). restart: torch elastic restarts
 # every worker on the smaller membership, which resumes from the last checkpoint; in_place: the survivors'
-# processes stay, rebuild their process groups and continue from the last step they completed (hybrid.app.in_place).
+# processes stay, rebuild their process groups and continue from the last step they completed (hybrid.app.state.in_place).
 IN_PLACE = "in_place"
 RECOVERY_MODES = ("restart", IN_PLACE)
 

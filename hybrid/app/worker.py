@@ -29,7 +29,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app.components.losses import batch_loss
 from hybrid.app.config import DILOCO, IN_PLACE, TrainConfig
-from hybrid.app.in_place import InPlace
 from hybrid.app.loop import train_and_report
 from hybrid.app.observability.metrics import Metrics, NullMetrics, TensorBoardMetrics
 from hybrid.app.observability.run_metrics import describe_auto_calibration
@@ -39,6 +38,7 @@ from hybrid.app.replicas.rank import RankReplica
 from hybrid.app.replicas.torch_hooks import register_torch_hook
 from hybrid.app.setup import device_for, sample_batch, set_up
 from hybrid.app.state import error_feedback
+from hybrid.app.state.in_place import InPlace
 from hybrid.core.comm import (
     PHASES,
     AutoCommunicator,
@@ -92,10 +92,10 @@ def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
 
 def run_in_place(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
     """:func:`run_worker` with ``cluster.recovery=in_place``: where a collective fails because a peer went, this
-    process stays, agrees with the other survivors on who is in, and trains on (:mod:`hybrid.app.in_place`)."""
+    process stays, agrees with the other survivors on who is in, and trains on (:mod:`hybrid.app.state.in_place`)."""
     session = InPlace(cfg)
-    env = session.env
     try:
+        env = session.join() if session.joining else session.env
         while True:
             init_distributed(cfg.comm.timeout_s, session.group_store(), env)
             try:

@@ -31,7 +31,7 @@ from typing import Any
 
 from hybrid.runtime.cpu_limit import join_deferred
 from hybrid.runtime.distributed import store_server
-from hybrid.runtime.rdzv_store import STORE_ENV
+from hybrid.runtime.rdzv_store import NODE_ENV, STORE_ENV
 
 __all__ = ["attempt_prefix", "name_process", "nodes_at_end_key", "run_agent", "run_forked_agent", "run_node"]
 
@@ -51,17 +51,32 @@ def nodes_at_end_key(prefix: str) -> str:
 EXIT_BARRIER_S = 300.0  # torch's own
 
 
-def _agent_class() -> Any:
-    """torch's LocalElasticAgent, with an exit barrier that counts only the nodes that finished.
+def _agent_class(keep_workers_on_join: bool = False) -> Any:
+    """torch's LocalElasticAgent, with an exit barrier that counts only the nodes that finished, and (recovery
+    in place) a node that comes back taken in without restarting the workers.
 
     After its workers succeed, each agent waits in a barrier for every agent of its rendezvous round. Where
     the workers recovered in place from a lost node, that node's agent never arrives, and the others would
     wait torch's 300 s. The workers leave the number of nodes that finished in the store
-    (:func:`nodes_at_end_key`); the barrier waits for that many."""
+    (:func:`nodes_at_end_key`); the barrier waits for that many.
+
+    When a node waits in the rendezvous, torch's agent restarts its workers so that they meet it in a new
+    round. In place, the agent joins the new round itself (the new node's workers need it to start) and
+    leaves its workers running: they take the new node in at their next agreement (:mod:`hybrid.app.state.in_place`)."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.utils.store import barrier
 
     class HybridAgent(LocalElasticAgent):
+        def _restart_workers(self, worker_group: Any) -> None:
+            if not (keep_workers_on_join and worker_group.state == WorkerState.HEALTHY):
+                return super()._restart_workers(worker_group)  # a failure: torch's restart
+            ids = {w.local_rank: w.id for w in worker_group.workers}
+            self._rendezvous(worker_group)
+            for worker in worker_group.workers:
+                worker.id = ids[worker.local_rank]  # the same processes, which torch's monitor matches by pid
+            worker_group.state = WorkerState.HEALTHY
+
         def _exit_barrier(self) -> None:
             group = self._worker_group
             store = self._store
@@ -135,6 +150,7 @@ def run_node(
     last_call_s: int = 10,
     start_method: str = "spawn",
     external_store: bool = False,
+    keep_workers_on_join: bool = False,
 ) -> dict[int, Any]:
     """Run this node's elastic agent and its workers; return the workers' results by global rank.
 
@@ -149,17 +165,12 @@ def run_node(
     ``start_method``: torchrun's ``--start-method``: ``spawn`` (a fresh interpreter each, torchrun's default) or
     ``fork`` (a copy of this agent, with torch and the entry point imported, no accelerator touched).
     ``external_store``: the store at ``rdzv_endpoint`` is off the nodes (:mod:`hybrid.runtime.rdzv_store`):
-    every agent joins it as a client, node 0 included.
+    every agent joins it as a client, node 0 included. ``keep_workers_on_join`` (recovery in place): a node
+    that comes back is taken into the rendezvous without restarting this node's workers (:func:`_agent_class`).
     """
-    from torch.distributed.launcher import api as launcher_api
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if external_store:
-        # The workers find the store off the nodes (recovery in place meets there), and the agent's exit
-        # barrier counts the nodes that finished (_agent_class). This process is the node's agent and nothing
-        # else: the launcher's agent class is ours for its lifetime.
-        os.environ[STORE_ENV] = rdzv_endpoint
-        launcher_api.LocalElasticAgent = _agent_class()
+    _prepare_agent(node_rank, rdzv_endpoint if external_store else None, keep_workers_on_join)
     # Kept alive (referenced) until the job ends.
     hosts = node_rank == 0 and not external_store
     server = store_server(*_split(rdzv_endpoint), timeout_s) if hosts and bind_store else None
@@ -168,19 +179,10 @@ def run_node(
     rdzv_configs: dict[str, Any] = {"is_host": hosts, "join_timeout": int(timeout_s)}
     if minimum < nnodes:
         rdzv_configs.update(last_call_timeout=int(last_call_s), keep_alive_interval=1, keep_alive_max_attempt=3)
-    config = LaunchConfig(
-        min_nodes=minimum,
-        max_nodes=nnodes,
-        nproc_per_node=nproc_per_node,
-        run_id=run_id,
-        rdzv_backend="c10d",
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_configs=rdzv_configs,
-        max_restarts=max_restarts,
-        monitor_interval=0.1,
-        start_method=start_method,
-        local_addr=local_addr,
-    )
+    config = LaunchConfig(min_nodes=minimum, max_nodes=nnodes, nproc_per_node=nproc_per_node, run_id=run_id,
+                          rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint, rdzv_configs=rdzv_configs,
+                          max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method,
+                          local_addr=local_addr)
     per_local_rank = elastic_launch(config, _rank_and_result)(entrypoint, *args)
     nodes = min(nodes for _, nodes, _ in per_local_rank.values())
     if bind_store and not external_store:  # the server is dropped only after this, when run_node returns
@@ -192,6 +194,19 @@ def run_node(
 # How many nodes the workers' last membership had, as the last run_node in this process saw it: what the
 # launcher waits for before it stops the agents of nodes lost on the way (see hybrid.runtime.launch._wait).
 LAST_MEMBERSHIP_NODES = [0]
+
+
+def _prepare_agent(node_rank: int, external_endpoint: str | None, keep_workers_on_join: bool) -> None:
+    """What this process's workers inherit, and the agent class: the node's name for recovery in place (the
+    same if its agent starts again); with a store off the nodes, where the workers find it (recovery in place
+    meets there) and an exit barrier that counts the nodes that finished (:func:`_agent_class`). This process
+    is the node's agent and nothing else: the launcher's agent class is ours for its lifetime."""
+    from torch.distributed.launcher import api as launcher_api
+
+    os.environ[NODE_ENV] = str(node_rank)
+    if external_endpoint is not None:
+        os.environ[STORE_ENV] = external_endpoint
+        launcher_api.LocalElasticAgent = _agent_class(keep_workers_on_join)
 
 
 LEAVE_TIMEOUT_S = 10.0
@@ -241,6 +256,9 @@ def run_forked_agent(job_dir: str, node: int, env: dict[str, str]) -> None:
 
 def run_agent(job_dir: Path, node: int) -> int:
     name_process(f"hybrid-agent-{node}")
+    # Who runs this node now (an agent started again for a lost node writes its own): tests and tools find a
+    # node's job folder by it.
+    (job_dir / f"agent-{node}.pid").write_text(str(os.getpid()))
     meta = json.loads((job_dir / "meta.json").read_text())
     # The entry point is pickled by reference: make its module importable first.
     sys.path[:0] = [p for p in meta["sys_path"] if p not in sys.path]
@@ -255,6 +273,7 @@ def run_agent(job_dir: Path, node: int) -> int:
             max_restarts=int(meta.get("max_restarts", 0)), local_addr=meta["node_addresses"][node],
             min_nnodes=meta.get("min_nnodes"), last_call_s=int(meta.get("last_call_s", 10)),
             start_method=meta.get("start_method", "spawn"), external_store=bool(meta.get("external_store")),
+            keep_workers_on_join=meta.get("recovery") == "in_place",
         )
         _write_result(job_dir, node, "ok", by_rank, LAST_MEMBERSHIP_NODES[0])
         return 0

@@ -53,7 +53,7 @@ _RDZV_PORT_IN_NAMESPACE = 29500  # a fresh namespace has every port free
 
 
 # Errors a worker gets because another one went first: its connections closed, its collective timed out.
-_CONSEQUENCE = re.compile(r"CommError|failed on rank|Connection (closed|reset)|Timed out|timed out|"
+_CONSEQUENCE = re.compile(r"CommError|failed on rank|Connection (closed|reset)|Broken pipe|Timed out|timed out|"
                           r"earlier bucket's communication failed|without a result")
 # How long a worker that fails on such an error waits before exiting: ten of the agent's looks (0.1 s each),
 # so that a peer of its node that died first (a SIGKILL closes its connections at once) is what the agent
@@ -117,6 +117,7 @@ def launch_local(
     start_method: str = "fork",
     store_network: NodeNetwork | None = None,
     rdzv_endpoint: str | None = None,
+    recovery: str = "restart",
 ) -> list[Any]:
     """Run ``entrypoint(*args)`` on every rank of ``layout``; return the results by rank.
 
@@ -134,6 +135,8 @@ def launch_local(
     the agent touches no accelerator and runs no torch op before it forks. ``spawn``: a fresh interpreter per
     worker, torchrun's default. ``store_network``: where an elastic job's store runs off the nodes (see
     :func:`_elastic_store`); ``rdzv_endpoint``: ``HOST:PORT`` of a store someone else runs, joined by every agent.
+    ``recovery="in_place"``: a node that comes back (``python -m hybrid.runtime.agent JOB_DIR NODE``; each agent
+    writes ``agent-NODE.pid`` there) joins without a restart of the others (:mod:`hybrid.app.state.in_place`).
     """
     _check_settings(start_method, max_restarts, timeout_s)
     nodes = list(nodes) if nodes is not None else [LOOPBACK] * layout.nnodes
@@ -144,7 +147,7 @@ def launch_local(
         raise ValueError(f"min_nnodes={min_nnodes} must be in 1..{layout.nnodes}")
     store = _elastic_store(minimum < layout.nnodes and rdzv_endpoint is None, nodes, store_network)
     job_dir = _write_job(layout, nodes, entrypoint, args, timeout_s, max_restarts, minimum, last_call_s, start_method,
-                         rdzv_endpoint or (store.endpoint if store is not None else None))
+                         rdzv_endpoint or (store.endpoint if store is not None else None), recovery)
     base_env = {**os.environ, **local_agent_env(layout.world_size), **(env or {})}
     agents: list[subprocess.Popen] = []
     try:
@@ -260,7 +263,7 @@ def _start_agent(job_dir: Path, node: int, network: NodeNetwork, env: dict[str, 
 
 def _write_job(layout: Layout, nodes: Sequence[NodeNetwork], entrypoint: Callable[..., Any], args: Sequence[Any],
                timeout_s: float, max_restarts: int, min_nnodes: int, last_call_s: int, start_method: str,
-               store_endpoint: str | None = None) -> Path:
+               store_endpoint: str | None = None, recovery: str = "restart") -> Path:
     """A fresh job folder with what every agent reads: the rendezvous and layout, and the pickled entry point.
     ``store_endpoint``: a rendezvous store off the nodes (else node 0 hosts it)."""
     port = free_port() if nodes[0] == LOOPBACK else _RDZV_PORT_IN_NAMESPACE
@@ -278,6 +281,7 @@ def _write_job(layout: Layout, nodes: Sequence[NodeNetwork], entrypoint: Callabl
         "min_nnodes": min_nnodes,
         "last_call_s": last_call_s,
         "start_method": start_method,
+        "recovery": recovery,
     }
     (job_dir / "meta.json").write_text(json.dumps(meta))
     (job_dir / "job.pkl").write_bytes(pickle.dumps((entrypoint, tuple(args))))
@@ -315,16 +319,20 @@ def _result(job_dir: Path, node: int, agent: subprocess.Popen) -> tuple[str, Any
 
 
 def _finished_together(job_dir: Path | None, agents: list[subprocess.Popen]) -> bool:
-    """Whether as many agents have finished as their workers' last membership had nodes: the others are lost
-    nodes' (cut off, say), with nothing left to wait for."""
-    done = [i for i, agent in enumerate(agents) if agent.poll() == 0]
-    if job_dir is None or not done:
+    """Whether as many nodes have finished (a result saying ok: an agent started again for a lost node
+    counts too) as their workers' last membership had: the agents still running are lost nodes' (cut off,
+    say), with nothing left to wait for."""
+    if job_dir is None:
         return False
-    try:
-        nodes = max(pickle.loads((job_dir / f"result-{i}.pkl").read_bytes())[2] for i in done)
-    except (OSError, EOFError, pickle.UnpicklingError, IndexError):
-        return False
-    return 0 < nodes <= len(done)
+    finished = []
+    for i in range(len(agents)):
+        try:
+            outcome = pickle.loads((job_dir / f"result-{i}.pkl").read_bytes())
+        except (OSError, EOFError, pickle.UnpicklingError):
+            continue
+        if outcome[0] == "ok" and len(outcome) > 2:
+            finished.append(outcome[2])
+    return bool(finished) and 0 < max(finished) <= len(finished)
 
 
 def _describe(failures: list[tuple[int, str]]) -> str:

@@ -19,6 +19,12 @@ Membership is by whole node, as torch elastic's is: a node is in when all of its
 workers of the last epoch are; a worker of a node that lost another of its
 workers is left out (it exits, and its agent reports the failure). A worker left
 out because its heartbeat came late learns so when it reads the decision.
+
+A node that comes back (:meth:`Quorum.join`) registers its workers as joiners
+of the next epoch; the running workers' heartbeat threads see the registration
+and make their own collectives fail (:func:`hybrid.runtime.distributed.cut_connections`),
+so the next agreement takes the new node in: it is in once all of its workers
+have registered.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ import pickle
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from datetime import timedelta
+from typing import Any, Callable
 
 from hybrid.core.topology import WorkerEnv
 
@@ -43,7 +50,7 @@ class Member:
 
     node: int
     local_rank: int
-    step: int = 0  # the last step it completed (when it checked in)
+    step: int = 0  # the last step it completed (when it checked in); -1: a joiner, with no state yet
 
     @property
     def key(self) -> str:
@@ -80,17 +87,25 @@ class LeftOut(RuntimeError):
 
 
 class Heartbeat:
-    """A thread that adds 1 to ``key`` in the store every :data:`HEARTBEAT_S` while this process lives."""
+    """A thread that adds 1 to ``key`` in the store every :data:`HEARTBEAT_S` while this process lives, and
+    calls ``on_joiner`` (once per epoch) when a node registers to join the epoch after ``epoch()``."""
 
-    def __init__(self, store: Any, key: str) -> None:
+    def __init__(self, store: Any, key: str, joiners_key: Callable[[], str | None] | None = None,
+                 on_joiner: Callable[[], None] | None = None) -> None:
         self._store, self._key, self._stop = store, key, threading.Event()
+        self._joiners_key, self._on_joiner = joiners_key, on_joiner
         self._thread = threading.Thread(target=self._beat, name="hybrid-heartbeat", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
+        told = None
         while not self._stop.is_set():
             try:
                 self._store.add(self._key, 1)
+                key = self._joiners_key() if self._joiners_key is not None else None
+                if key is not None and key != told and self._store.add(key, 0) > 0:
+                    told = key
+                    self._on_joiner()
             except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
                 return
             self._stop.wait(HEARTBEAT_S)
@@ -111,10 +126,46 @@ class Quorum:
         self.store, self.prefix = store, prefix
         self.dead_after_s, self.timeout_s = dead_after_s, timeout_s
 
-    def heartbeat(self, me: Member, store: Any) -> Heartbeat:
+    def heartbeat(self, me: Member, store: Any, epoch: Callable[[], int | None] | None = None,
+                  on_joiner: Callable[[], None] | None = None) -> Heartbeat:
         """Start this worker's heartbeat (on ``store``: a client of its own, so a blocking wait on the other
-        never delays it)."""
-        return Heartbeat(store, f"{self.prefix}/hb/{me.key}")
+        never delays it); ``on_joiner`` is called when a node registers for the epoch after ``epoch()``."""
+        def joiners_key() -> str | None:
+            current = epoch() if epoch is not None else None
+            return None if current is None else f"{self.prefix}/epoch{current + 1}/joiners"
+
+        return Heartbeat(store, f"{self.prefix}/hb/{me.key}", joiners_key, on_joiner)
+
+    def publish(self, membership: Membership) -> None:
+        """Record ``membership`` as decided (the first one, which the rendezvous made), for joiners to find."""
+        base = f"{self.prefix}/epoch{membership.epoch}"
+        self.store.compare_set(f"{base}/decision", "", pickle.dumps(membership))
+        self.store.set(f"{self.prefix}/epoch", str(membership.epoch))
+
+    def decided(self, epoch: int) -> Membership:
+        """The membership decided for ``epoch``."""
+        return pickle.loads(self.store.get(f"{self.prefix}/epoch{epoch}/decision"))
+
+    def current_epoch(self) -> int | None:
+        """The last decided epoch (None: nothing decided under this prefix)."""
+        key = f"{self.prefix}/epoch"
+        return int(self.store.get(key)) if self.store.check([key]) else None
+
+    def join(self, me: Member, node_size: int) -> Membership:
+        """Register this worker of a node of ``node_size`` workers to join the next epoch; return the
+        membership that takes it in (registering again for the one after where a decision came first)."""
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            epoch = (self.current_epoch() or 0) + 1
+            base = f"{self.prefix}/epoch{epoch}"
+            self.store.set(f"{base}/in/{me.key}", pickle.dumps((-1, os.getpid())))
+            index = self.store.add(f"{base}/joiners", 1) - 1
+            self.store.set(f"{base}/joiner/{index}", pickle.dumps((me.node, me.local_rank, node_size)))
+            self.store.wait([f"{base}/decision"], timedelta(seconds=max(1.0, deadline - time.monotonic())))
+            membership = pickle.loads(self.store.get(f"{base}/decision"))
+            if (me.node, me.local_rank) in [(m.node, m.local_rank) for m in membership.members]:
+                return membership
+        raise TimeoutError(f"worker {me.key} found no membership to join within {self.timeout_s:g} s")
 
     def agree(self, current: Membership, me: Member) -> Membership:
         """Check in for the epoch after ``current`` with ``me.step``; return the decided membership, or raise
@@ -149,15 +200,31 @@ class Quorum:
                 if now - beats[m.key][1] < self.dead_after_s and now < deadline:
                     pending.append(m.key)
             if not pending:
-                decision = pickle.dumps(self._membership(current, checked))
+                decision = pickle.dumps(self._membership(current, checked, self._joiners(base)))
                 # Only the first writer's decision stands: compare_set writes where the key is still absent.
-                return self.store.compare_set(f"{base}/decision", "", decision)
+                stands = self.store.compare_set(f"{base}/decision", "", decision)
+                if stands == decision:
+                    self.store.set(f"{self.prefix}/epoch", str(current.epoch + 1))
+                return stands
             time.sleep(HEARTBEAT_S / 2)
 
+    def _joiners(self, base: str) -> list[Member]:
+        """The workers of nodes that registered to join at ``base``'s epoch, whole nodes only."""
+        count = self.store.add(f"{base}/joiners", 0)
+        found = [pickle.loads(self.store.get(f"{base}/joiner/{i}")) for i in range(count)]
+        sizes = {node: size for node, _, size in found}
+        locals_of: dict[int, set[int]] = {}
+        for node, local, _ in found:
+            locals_of.setdefault(node, set()).add(local)
+        return [Member(node, local, -1) for node in sorted(sizes) if len(locals_of[node]) == sizes[node]
+                for local in sorted(locals_of[node])]
+
     @staticmethod
-    def _membership(current: Membership, checked: dict[str, int]) -> Membership:
-        """Whole nodes whose every worker checked in, each member with the step it reported."""
+    def _membership(current: Membership, checked: dict[str, int], joiners: list[Member] = ()) -> Membership:
+        """Whole nodes whose every worker checked in, each member with the step it reported, then the nodes
+        that join (not already members)."""
         whole = [node for node in current.nodes
                  if all(m.key in checked for m in current.members if m.node == node)]
-        return Membership(current.epoch + 1, tuple(
-            Member(m.node, m.local_rank, checked[m.key]) for m in current.members if m.node in whole))
+        kept = [Member(m.node, m.local_rank, checked[m.key]) for m in current.members if m.node in whole]
+        new = [j for j in joiners if j.node not in current.nodes]
+        return Membership(current.epoch + 1, tuple(kept + new))

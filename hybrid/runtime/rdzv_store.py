@@ -20,12 +20,14 @@ import subprocess
 import sys
 import time
 
-__all__ = ["STORE_ENV", "StoreProcess", "start_store", "serve"]
+__all__ = ["NODE_ENV", "STORE_ENV", "StoreProcess", "start_store", "serve"]
 
 READY = "ready"
 # Where the workers of a job whose store is off the nodes find it (the agents export it): recovery in place
-# (hybrid.app.in_place) agrees on memberships there, since no training node's store outlives every fault.
+# (hybrid.app.state.in_place) agrees on memberships there, since no training node's store outlives every fault.
 STORE_ENV = "HYBRID_RDZV_ENDPOINT"
+# A node's name as hybrid's launcher numbers it (the agent exports it; the same when the node's agent starts again).
+NODE_ENV = "HYBRID_NODE"
 
 
 def serve(host: str, port: int) -> None:

@@ -37,14 +37,13 @@ import torch
 import torch.distributed as dist
 
 from hybrid.app.config import TrainConfig
-from hybrid.app.setup import Training
 from hybrid.app.state.held import HeldState, checkpoint_meta
 from hybrid.core.topology import Topology, WorkerEnv
 from hybrid.runtime.agent import attempt_prefix, nodes_at_end_key
 from hybrid.runtime.distributed import cut_connections, socket_inodes
 from hybrid.runtime.launch import is_consequence
-from hybrid.runtime.quorum import Member, Membership, Quorum
-from hybrid.runtime.rdzv_store import STORE_ENV
+from hybrid.runtime.quorum import HEARTBEAT_S, Member, Membership, Quorum
+from hybrid.runtime.rdzv_store import NODE_ENV, STORE_ENV
 
 __all__ = ["DEAD_AFTER_S", "STORE_ENV", "InPlace", "attempt_prefix", "nodes_at_end_key"]
 
@@ -69,14 +68,27 @@ class InPlace:
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         self.prefix = attempt_prefix(os.environ.get("TORCHELASTIC_RUN_ID", "none"), os.environ.get("MASTER_ADDR", ""),
                                      os.environ.get("MASTER_PORT", ""))
+        self.live_key = f"hybrid/in_place/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/live"
+        # A node that comes back starts in a rendezvous round of its own: where the job's workers are still
+        # training under another attempt's keys, this one joins them rather than starting a membership.
+        live = self.store.get(self.live_key).decode() if self.store.check([self.live_key]) else None
+        self.joining = live is not None and live != self.prefix and _beating(self.store, live)
+        if self.joining:
+            self.prefix = live
         self.quorum = Quorum(self.store, self.prefix, DEAD_AFTER_S, cfg.comm.timeout_s)
         self.env = WorkerEnv.from_env()
-        self.me = Member(self.env.node, self.env.local_rank)
-        # The heartbeat's own client: a blocking wait on the other never holds it up.
-        self._heart = self.quorum.heartbeat(self.me, dist.TCPStore(host, int(port), is_master=False, timeout=timeout))
-        self.cfg = cfg
+        # A node is named by hybrid's launcher (HYBRID_NODE, the same when its agent starts again), else by its
+        # rendezvous rank.
+        self.me = Member(int(os.environ.get(NODE_ENV, self.env.node)), self.env.local_rank)
         self.membership: Membership | None = None
-        self.run: Training | None = None
+        # The heartbeat's own client: a blocking wait on the other never holds it up. When a node registers
+        # to join, it makes this worker's collectives fail, so that the next agreement takes the node in.
+        self._heart = self.quorum.heartbeat(
+            self.me, dist.TCPStore(host, int(port), is_master=False, timeout=timeout),
+            epoch=lambda: self.membership.epoch if self.membership is not None else None,
+            on_joiner=lambda: cut_connections(self.endpoint, self._spare))
+        self.cfg = cfg
+        self.run: Any = None  # the set-up's Training (hybrid.app.setup), which this room cannot import
         self.run_path: Path | None = None
         self.held: HeldState | None = None
         self._spare = socket_inodes()  # the agent's (shared by a forked worker) and the store's: never cut
@@ -87,13 +99,33 @@ class InPlace:
         return dist.PrefixStore(f"{self.prefix}/group{epoch}", self.store)
 
     def begin(self, topology: Topology, run_path: Path) -> None:
-        """The first membership, once the job's topology is known (ranks in node order, as torchrun gives them)."""
+        """The first membership, once the default group exists: every rank's (node, local rank), in rank
+        order; rank 0 publishes it for nodes that join later. Collective the first time."""
         self.run_path = run_path
         if self.membership is None:
-            self.membership = Membership(0, tuple(Member(node, local) for node, ranks in enumerate(topology.nodes)
-                                                  for local in range(len(ranks))))
+            names: list[Any] = [None] * topology.world_size
+            dist.all_gather_object(names, (self.me.node, self.me.local_rank))
+            self.membership = Membership(0, tuple(Member(node, local) for node, local in names))
+            if topology.rank == 0:
+                self.quorum.publish(self.membership)
+                self.store.set(self.live_key, self.prefix)
 
-    def watch(self, run: Training) -> None:
+    def join(self) -> WorkerEnv:
+        """This worker of a node that comes back: register, wait for the membership that takes the node in,
+        and take its place there; the state comes from a running worker at the set-up (:class:`HeldState`)."""
+        started = time.monotonic()
+        new = self.quorum.join(self.me, self.env.local_world_size)
+        old = self.quorum.decided(new.epoch - 1)
+        self.membership = new
+        env = new.env_of(self.me.node, self.me.local_rank)
+        _export(env, len(new.nodes))
+        self.held = HeldState(None, new.source(), change_of(old, new))
+        print(f"worker {self.me.key}: joined in place as rank {env.rank} of {env.world_size} on {len(new.nodes)} "
+              f"node(s) ({time.monotonic() - started:.2f} s)", file=sys.stderr, flush=True)
+        self.env = env
+        return env
+
+    def watch(self, run: Any) -> None:
         """The training this worker continues from if a collective fails (its progress, kept by the loop)."""
         self.run = run
 
@@ -117,9 +149,7 @@ class InPlace:
         self.membership = new
         env = new.env_of(self.me.node, self.me.local_rank)
         _export(env, len(new.nodes))
-        lost = sorted(set(old.nodes) - set(new.nodes))
-        why = f"in place: node(s) {lost} lost" if lost else "in place: a collective failed, every node still in"
-        self.held = HeldState(state if env.rank == new.source() else None, new.source(), why)
+        self.held = HeldState(state if env.rank == new.source() else None, new.source(), change_of(old, new))
         print(f"worker {self.me.key}: {cause}; recovering in place: "
               f"rank {env.rank} of {env.world_size} on {len(new.nodes)} node(s), continuing from step "
               f"{new.members[new.source()].step} ({time.monotonic() - started:.2f} s)", file=sys.stderr, flush=True)
@@ -145,6 +175,26 @@ class InPlace:
                 "rng": torch.get_rng_state(), "membership": list(run.membership),
                 **checkpoint_meta(self.cfg.model.node, layout.world_size, layout.nnodes, layout.global_batch,
                                   run.state.kind)}
+
+
+def change_of(old: Membership, new: Membership) -> str:
+    """The membership history's words for a change in place."""
+    lost = sorted(set(old.nodes) - set(new.nodes))
+    joined = sorted(set(new.nodes) - set(old.nodes))
+    said = [f"node(s) {lost} lost"] if lost else []
+    said += [f"node(s) {joined} joined"] if joined else []
+    return "in place: " + (", ".join(said) if said else "a collective failed, every node still in")
+
+
+def _beating(store: Any, prefix: str, within_s: float = 3 * HEARTBEAT_S) -> bool:
+    """Whether any worker of the last membership decided under ``prefix`` is alive (its heartbeat moves)."""
+    epoch = Quorum(store, prefix, DEAD_AFTER_S, within_s).current_epoch()
+    if epoch is None:
+        return False
+    keys = [f"{prefix}/hb/{m.key}" for m in Quorum(store, prefix, DEAD_AFTER_S, within_s).decided(epoch).members]
+    first = [store.add(k, 0) for k in keys]
+    time.sleep(within_s)
+    return any(store.add(k, 0) != n for k, n in zip(keys, first))
 
 
 def _forget_frames(exc: BaseException | None) -> None:
