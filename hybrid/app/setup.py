@@ -177,14 +177,15 @@ def _state_to_continue(trainer: TrainerConfig, run_path: Path, rank: int, metric
     if held is not None:
         return held.share(), None, "the survivors' memory", held.why
     source = resume_target(trainer.resume, run_path)
+    # After a restart by the elastic agent, continue from this run's last checkpoint if it wrote one. Rank 0
+    # owns the run dir and decides for all, every rank asking: a node that joined late starts with restart
+    # count 0 where the others have theirs.
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = broadcast_from_rank0(restart if rank == 0 and restart and checkpoint_steps(run_path / "checkpoints")
+                                   else 0)
     if restart:
-        # The elastic agent restarted us after a failure: continue from this run's last
-        # checkpoint if it wrote one. Rank 0 owns the run dir, so rank 0 decides for all.
-        own = rank == 0 and bool(checkpoint_steps(run_path / "checkpoints"))
-        if broadcast_from_rank0(own):
-            source = run_path
-            metrics.status(f"restart {restart}: resuming from the last checkpoint in {run_path / 'checkpoints'}")
+        source = run_path
+        metrics.status(f"restart {restart}: resuming from the last checkpoint in {run_path / 'checkpoints'}")
     if source is None:
         return None, None, None, ""
     state = load_checkpoint(source, log=metrics.status) if rank == 0 else None

@@ -142,7 +142,7 @@ def cut_connections(keep: tuple[str, int], spare: set[str]) -> int:
             if not link.startswith("socket:") or link in spare:
                 continue
             sock = socket.socket(fileno=os.dup(int(entry.name)))
-        except OSError:
+        except (OSError, ValueError):  # gone meanwhile, or a family Python does not know (netlink, say)
             continue
         try:
             if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -106,7 +107,8 @@ class Heartbeat:
                 if key is not None and key != told and self._store.add(key, 0) > 0:
                     told = key
                     self._on_joiner()
-            except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
+            except Exception as exc:  # noqa: BLE001 - the store is gone: nothing left to tell
+                print(f"hybrid heartbeat stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
                 return
             self._stop.wait(HEARTBEAT_S)
 
