@@ -21,7 +21,7 @@ from hybrid.runtime.launch import launch_local
 
 from helpers import train_workers
 from helpers.once import once
-from helpers.processes import Job, agent_of_node, descendants
+from helpers.processes import Job, agent_of_node, all_gone, descendants
 
 pytestmark = pytest.mark.multiprocess
 
@@ -160,7 +160,8 @@ def test_diloco_resumed_on_more_or_fewer_nodes_continues_each_nodes_own_weights_
 # Node 0 too: an elastic job's rendezvous store runs in a process of its own (hybrid.runtime.rdzv_store), so node 0
 # hosts nothing the others need and is lost like any other; the lowest surviving rank then writes checkpoints and
 # metrics.
-@pytest.mark.parametrize("nproc, comm, lost", [(2, "sharded", 0), (1, "hierarchical", 0), (1, "diloco", 2)])
+# (Node 0 of 3x1 hierarchical with restarts: the rejoin test below, which then starts it again.)
+@pytest.mark.parametrize("nproc, comm, lost", [(2, "sharded", 0), (1, "diloco", 2)])
 @pytest.mark.background  # mostly waits (the lost node's heartbeat, the rendezvous): beside the first tiers
 def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membership(nproc, comm, lost, tmp_path):
     """3 nodes, cluster.min_nnodes=2: node ``lost``'s agent and its workers are SIGKILLed after the step-10
@@ -197,9 +198,10 @@ def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membersh
         assert metrics["diloco"]["outer_steps"] == 8 and metrics["diloco"]["sync_every"] == 4
 
 
-# In place (cluster.recovery=in_place): the survivors keep their processes. Node 0 in the first case (the store is
-# off the nodes, so it is lost like any other, and the new rank 0 writes the metrics), node 2 in the second.
-@pytest.mark.parametrize("nproc, comm, lost", [(1, "ddp", 0), (2, "sharded", 2)])
+# In place (cluster.recovery=in_place): the survivors keep their processes. Node 2 of 3x2 sharded here; node 0 of
+# 3x1 (the store is off the nodes, so it is lost like any other, and the new rank 0 writes the metrics) in the
+# rejoin test below.
+@pytest.mark.parametrize("nproc, comm, lost", [(2, "sharded", 2)])
 @pytest.mark.background  # mostly waits (the lost node's heartbeat): beside the first tiers
 def test_in_place_a_killed_node_costs_no_restart_and_at_most_the_step_in_flight(nproc, comm, lost, tmp_path):
     """3 nodes, cluster.min_nnodes=2, cluster.recovery=in_place: node ``lost``'s agent and workers are
@@ -211,7 +213,7 @@ def test_in_place_a_killed_node_costs_no_restart_and_at_most_the_step_in_flight(
     import signal
     import time
 
-    from helpers.processes import all_gone, workers
+    from helpers.processes import workers
 
     job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
               "cluster.max_restarts=1", "cluster.recovery=in_place", f"comm={comm}", "comm.timeout_s=60",
@@ -241,3 +243,66 @@ def test_in_place_a_killed_node_costs_no_restart_and_at_most_the_step_in_flight(
     assert 11 <= history[1]["step"] <= 12  # the last step completed when the node died: at most one in flight
     assert "learning rate scaled by 0.6667 (trainer.elastic_lr=scale)" in out
     assert all_gone(everything, within_s=15)
+
+
+@pytest.mark.parametrize("recovery", ["in_place", "restart"])
+@pytest.mark.background  # mostly waits (a heartbeat, an agent's start): beside the first tiers
+def test_a_lost_node_started_again_rejoins_and_the_job_grows_back(recovery, tmp_path):
+    """3x1, cluster.min_nnodes=2: node 0's agent and worker are SIGKILLed after step 11 (node 0 is lost like
+    any other: the store is off the nodes) and its agent is started again 5 s after (``python -m
+    hybrid.runtime.agent JOB_DIR 0``, as the launcher started it). In place, the others keep their processes
+    both times and the returning node gets a survivor's state over the new group; with restarts, every worker
+    restarts from the last checkpoint both times. Either way the run ends
+    on 3 nodes with every step done, the history shows the loss and the return, and every replica, the
+    returned node's included, holds the same bits."""
+    import glob
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from hybrid.runtime.launch import local_agent_env
+
+    from helpers.processes import workers
+
+    job = Job(tmp_path, "cluster.nnodes=3", "cluster.nproc_per_node=1", "cluster.min_nnodes=2",
+              "cluster.max_restarts=1", "cluster.rdzv_last_call_s=2", f"cluster.recovery={recovery}",
+              "comm=hierarchical", "comm.timeout_s=60", "trainer.max_steps=300", "trainer.checkpoint_every=5",
+              "trainer.log_every=1", "model.width=1024", "data.num_samples=2048", f"data.root={tmp_path / 'data'}",
+              "hydra.run.dir=run")
+    job.wait_for(r"^step 11/", timeout=180)
+    everything = [job.proc.pid, *descendants(job.proc.pid)]
+    agent = agent_of_node(job.proc.pid, 0)
+    job_dir = next(Path(p).parent for p in glob.glob(f"{tempfile.gettempdir()}/hybrid-job-*/agent-0.pid")
+                   if Path(p).read_text() == str(agent))
+    lost = [agent, *descendants(agent)]
+    survivors = sorted(set(workers(job.proc.pid)) - set(lost))
+    for pid in lost:
+        os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    job.wait_for(r"^resumed from step", timeout=120)
+    time.sleep(max(0.0, 5 - (time.monotonic() - killed)))  # the issue's scenario: the node is back 5 s after
+    again = subprocess.Popen([sys.executable, "-m", "hybrid.runtime.agent", str(job_dir), "0"],
+                             env={**os.environ, **local_agent_env(3), "GLOO_SOCKET_IFNAME": "lo"},
+                             start_new_session=True)
+    try:
+        job.wait_for(r"^resumed from step", timeout=120)
+        kept = sorted(set(workers(job.proc.pid)) & set(survivors))
+        code, out, _ = job.finish(timeout=300)
+        assert again.wait(timeout=60) == 0
+    finally:
+        again.kill()
+    assert code == 0, out[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["steps"] == 300 and metrics["nnodes"] == 3 and metrics["world_size"] == 3
+    assert metrics["param_checksums_identical"]  # the returned node's replica included
+    history = [(m["nnodes"], m["why"]) for m in metrics["membership"]]
+    if recovery == "in_place":
+        assert history == [(3, "start"), (2, "in place: node(s) [0] lost"), (3, "in place: node(s) [0] joined")]
+        assert "restart 1" not in out and kept == survivors  # nodes 1 and 2: the same processes throughout
+    else:
+        assert history == [(3, "start"), (2, "elastic restart 1"), (3, "elastic restart 1")]
+        assert kept == []  # every worker restarted
+    assert metrics["membership"][1]["step"] < metrics["membership"][2]["step"] < 300
+    assert all_gone([*everything, again.pid], within_s=15)
