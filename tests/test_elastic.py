@@ -172,8 +172,9 @@ def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membersh
     import signal
     import time
 
+    # No cluster.max_restarts: an elastic job gets one restart per node it may lose.
     job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
-              "cluster.max_restarts=2", "cluster.rdzv_last_call_s=2", f"comm={comm}", "comm.timeout_s=60",
+              "cluster.rdzv_last_call_s=2", f"comm={comm}", "comm.timeout_s=60",
               *(["comm.sync_every=4"] if comm == "diloco" else []),
               "trainer.max_steps=30", "trainer.checkpoint_every=5", "trainer.log_every=1", "model.width=512",
               "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
@@ -216,7 +217,7 @@ def test_in_place_a_killed_node_costs_no_restart_and_at_most_the_step_in_flight(
     from helpers.processes import workers
 
     job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
-              "cluster.max_restarts=1", "cluster.recovery=in_place", f"comm={comm}", "comm.timeout_s=60",
+              "cluster.recovery=in_place", f"comm={comm}", "comm.timeout_s=60",
               "trainer.max_steps=30", "trainer.checkpoint_every=5", "trainer.log_every=1", "trainer.elastic_lr=scale",
               "model.width=512", "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
     job.wait_for(r"^step 11/", timeout=180)
@@ -267,7 +268,7 @@ def test_a_lost_node_started_again_rejoins_and_the_job_grows_back(recovery, tmp_
     from helpers.processes import workers
 
     job = Job(tmp_path, "cluster.nnodes=3", "cluster.nproc_per_node=1", "cluster.min_nnodes=2",
-              "cluster.max_restarts=1", "cluster.rdzv_last_call_s=2", f"cluster.recovery={recovery}",
+              "cluster.rdzv_last_call_s=2", f"cluster.recovery={recovery}",
               "comm=hierarchical", "comm.timeout_s=60", "trainer.max_steps=300", "trainer.checkpoint_every=5",
               "trainer.log_every=1", "model.width=1024", "data.num_samples=2048", f"data.root={tmp_path / 'data'}",
               "hydra.run.dir=run")

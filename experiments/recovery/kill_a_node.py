@@ -6,6 +6,9 @@ lost node's agent and every process under it are SIGKILLed; the figure is the ti
 process was restarted (its PIDs), and the exit code. Prints one Markdown table.
 
     python experiments/recovery/kill_a_node.py --runs 3
+
+``--rejoin``: the lost node's agent is started again 5 s after the kill (``python -m hybrid.runtime.agent JOB_DIR
+NODE``); the figure is then the time from that start to the next completed step on 3 nodes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
+REJOIN_CONFIGS = [
+    ("3x1 hierarchical, node 0 back 5 s later, restart", 1, "hierarchical", 0, "restart"),
+    ("3x1 hierarchical, node 0 back 5 s later, in place", 1, "hierarchical", 0, "in_place"),
+]
 CONFIGS = [  # (label, nproc per node, comm, lost node, recovery)
     ("3x1 hierarchical, restart", 1, "hierarchical", 2, "restart"),
     ("3x1 hierarchical, in place", 1, "hierarchical", 2, "in_place"),
@@ -59,12 +66,25 @@ def _name(pid: int) -> str:
         return ""
 
 
-def one_run(nproc: int, comm: str, lost: int, recovery: str, where: Path) -> dict:
+def _start_again(job_pid: int, node: int, agent: int, world: int) -> subprocess.Popen:
+    """The lost node's agent, started again the way the launcher started it (its job folder found by the pid
+    file each agent writes)."""
+    from hybrid.runtime.launch import local_agent_env
+
+    pid_file = next(p for p in Path(tempfile.gettempdir()).glob(f"hybrid-job-*/agent-{node}.pid")
+                    if p.read_text() == str(agent))
+    return subprocess.Popen([sys.executable, "-m", "hybrid.runtime.agent", str(pid_file.parent), str(node)],
+                            env={**os.environ, **local_agent_env(world), "GLOO_SOCKET_IFNAME": "lo"},
+                            start_new_session=True)
+
+
+def one_run(nproc: int, comm: str, lost: int, recovery: str, where: Path, rejoin: bool = False) -> dict:
+    steps = 300 if rejoin else 30
     job = subprocess.Popen(
         [sys.executable, "-m", "hybrid.train", "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}",
          "cluster.min_nnodes=2", "cluster.max_restarts=2", "cluster.rdzv_last_call_s=2", f"cluster.recovery={recovery}",
-         f"comm={comm}", "comm.timeout_s=60", "trainer.max_steps=30", "trainer.checkpoint_every=5",
-         "trainer.log_every=1", "model.width=512", "data.num_samples=2048", f"data.root={where / 'data'}",
+         f"comm={comm}", "comm.timeout_s=60", f"trainer.max_steps={steps}", "trainer.checkpoint_every=5",
+         "trainer.log_every=1", f"model.width={1024 if rejoin else 512}", "data.num_samples=2048", f"data.root={where / 'data'}",
          "hydra.run.dir=run"], cwd=where, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = []
@@ -89,10 +109,18 @@ def one_run(nproc: int, comm: str, lost: int, recovery: str, where: Path) -> dic
         os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
     continued = int(until(r"^resumed from step (\d+)").group(1))
+    again = None
+    if rejoin:
+        time.sleep(max(0.0, 5 - (time.monotonic() - start)))
+        again = _start_again(job.pid, lost, victim, 3 * nproc)
+        start = time.monotonic()
+        continued = int(until(r"^resumed from step (\d+)").group(1))
     until(r"^step \d+/")
     seconds = time.monotonic() - start
     workers_after = {p for p in _under(job.pid) if _name(p).startswith("hybrid-rank-")}
     rest, _ = job.communicate(timeout=300)
+    if again is not None:
+        again.wait(timeout=60)
     metrics = json.loads((where / "run" / "metrics.json").read_text()) if job.returncode == 0 else {}
     return {"seconds": seconds, "continued_from": continued, "exit": job.returncode,
             "same_pids": workers_after == workers_before - set(killed),
@@ -102,15 +130,17 @@ def one_run(nproc: int, comm: str, lost: int, recovery: str, where: Path) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--rejoin", action="store_true", help="start the lost node's agent again 5 s later")
     args = parser.parse_args()
-    print("| configuration | kill -> next completed step (s), each run | median | continued from step | "
+    what = "agent started again -> next completed step on 3 nodes" if args.rejoin else "kill -> next completed step"
+    print(f"| configuration | {what} (s), each run | median | continued from step | "
           "survivors' processes kept | exit, steps, replicas |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for label, nproc, comm, lost, recovery in CONFIGS:
+    for label, nproc, comm, lost, recovery in REJOIN_CONFIGS if args.rejoin else CONFIGS:
         runs = []
         for _ in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="hybrid-recovery-") as where:
-                runs.append(one_run(nproc, comm, lost, recovery, Path(where)))
+                runs.append(one_run(nproc, comm, lost, recovery, Path(where), args.rejoin))
         times = [r["seconds"] for r in runs]
         print(f"| {label} | {', '.join(f'{t:.2f}' for t in times)} | {statistics.median(times):.2f} | "
               f"{', '.join(str(r['continued_from']) for r in runs)} | "

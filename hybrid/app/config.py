@@ -109,7 +109,9 @@ class ClusterConfig:
     nnodes: int = 2
     nproc_per_node: int = 2
     launch_timeout_s: float = 3600.0  # whole-job deadline of a local launch
-    max_restarts: int = 0  # elastic restarts of a node's workers after a failure; they resume from the last checkpoint
+    # Elastic restarts of a node's workers after a failure; they resume from the last checkpoint. -1: automatic:
+    # none, or for an elastic job (min_nnodes < nnodes) one per node it may lose.
+    max_restarts: int = -1
     # Elastic membership: the job goes on while at least this many nodes are left (torchrun's --nnodes MIN:MAX);
     # 0: cluster.nnodes, every node is needed. The survivors re-rendezvous and resume from the last checkpoint.
     # Any node, node 0 included: the local launcher and the testbed run the rendezvous store off the nodes
@@ -135,6 +137,13 @@ class ClusterConfig:
     # from the last step they completed; process mode, comm ddp/flat/hierarchical/sharded/auto).
     recovery: str = "restart"
     testbed: TestbedConfig = field(default_factory=TestbedConfig)
+
+    @property
+    def restarts(self) -> int:
+        """``max_restarts``, with -1 resolved: 0, or ``nnodes - min_nnodes`` for an elastic job."""
+        if self.max_restarts >= 0:
+            return self.max_restarts
+        return self.nnodes - self.min_nnodes if 0 < self.min_nnodes < self.nnodes else 0
 
 
 # "ddp" is torch DDP's own all-reduce (no hook, or one of torch's own hooks, comm.torch_hook): the reference
@@ -455,7 +464,7 @@ def _validate_cluster(c: ClusterConfig) -> None:
     _at_least("cluster.nnodes", c.nnodes, 1)
     _at_least("cluster.nproc_per_node", c.nproc_per_node, 1)
     _at_least("cluster.launch_timeout_s", c.launch_timeout_s, 1)
-    _at_least("cluster.max_restarts", c.max_restarts, 0)
+    _at_least("cluster.max_restarts", c.max_restarts, -1)
     if not 0 <= c.rdzv_port <= 65535:
         raise ValueError(f"cluster.rdzv_port={c.rdzv_port!r} must be 0 (derived from the Slurm job id) "
                          "or a port, 1-65535")
@@ -471,7 +480,7 @@ def _validate_cluster(c: ClusterConfig) -> None:
     if not 0 <= c.min_nnodes <= c.nnodes:
         raise ValueError(f"cluster.min_nnodes={c.min_nnodes!r} must be in 1..cluster.nnodes={c.nnodes} "
                          "(0: all nodes are needed)")
-    if 0 < c.min_nnodes < c.nnodes and c.max_restarts < 1:
+    if 0 < c.min_nnodes < c.nnodes and c.restarts < 1:
         raise ValueError(f"cluster.min_nnodes={c.min_nnodes} < cluster.nnodes={c.nnodes} needs cluster.max_restarts "
                          ">= 1: the nodes left restart their workers on the smaller membership")
     _at_least("cluster.rdzv_last_call_s", c.rdzv_last_call_s, 1)
