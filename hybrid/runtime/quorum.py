@@ -89,10 +89,11 @@ class LeftOut(RuntimeError):
 
 class Heartbeat:
     """A thread that adds 1 to ``key`` in the store every :data:`HEARTBEAT_S` while this process lives, and
-    calls ``on_joiner`` (once per epoch) when a node registers to join the epoch after ``epoch()``."""
+    calls ``on_joiner`` when a node registers to join the epoch after ``epoch()``, until it returns True (it
+    acted: once per epoch)."""
 
     def __init__(self, store: Any, key: str, joiners_key: Callable[[], str | None] | None = None,
-                 on_joiner: Callable[[], None] | None = None) -> None:
+                 on_joiner: Callable[[], bool] | None = None) -> None:
         self._store, self._key, self._stop = store, key, threading.Event()
         self._joiners_key, self._on_joiner = joiners_key, on_joiner
         self._thread = threading.Thread(target=self._beat, name="hybrid-heartbeat", daemon=True)
@@ -104,9 +105,8 @@ class Heartbeat:
             try:
                 self._store.add(self._key, 1)
                 key = self._joiners_key() if self._joiners_key is not None else None
-                if key is not None and key != told and self._store.add(key, 0) > 0:
+                if key is not None and key != told and self._store.add(key, 0) > 0 and self._on_joiner():
                     told = key
-                    self._on_joiner()
             except Exception as exc:  # noqa: BLE001 - the store is gone: nothing left to tell
                 print(f"hybrid heartbeat stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
                 return
@@ -129,7 +129,7 @@ class Quorum:
         self.dead_after_s, self.timeout_s = dead_after_s, timeout_s
 
     def heartbeat(self, me: Member, store: Any, epoch: Callable[[], int | None] | None = None,
-                  on_joiner: Callable[[], None] | None = None) -> Heartbeat:
+                  on_joiner: Callable[[], bool] | None = None) -> Heartbeat:
         """Start this worker's heartbeat (on ``store``: a client of its own, so a blocking wait on the other
         never delays it); ``on_joiner`` is called when a node registers for the epoch after ``epoch()``."""
         def joiners_key() -> str | None:
@@ -153,10 +153,11 @@ class Quorum:
         key = f"{self.prefix}/epoch"
         return int(self.store.get(key)) if self.store.check([key]) else None
 
-    def join(self, me: Member, node_size: int) -> Membership:
+    def join(self, me: Member, node_size: int, timeout_s: float | None = None) -> Membership:
         """Register this worker of a node of ``node_size`` workers to join the next epoch; return the
-        membership that takes it in (registering again for the one after where a decision came first)."""
-        deadline = time.monotonic() + self.timeout_s
+        membership that takes it in (registering again for the one after where a decision came first), or
+        raise ``TimeoutError`` after ``timeout_s`` (default: the agreement's)."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while time.monotonic() < deadline:
             epoch = (self.current_epoch() or 0) + 1
             base = f"{self.prefix}/epoch{epoch}"
@@ -167,7 +168,7 @@ class Quorum:
             membership = pickle.loads(self.store.get(f"{base}/decision"))
             if (me.node, me.local_rank) in [(m.node, m.local_rank) for m in membership.members]:
                 return membership
-        raise TimeoutError(f"worker {me.key} found no membership to join within {self.timeout_s:g} s")
+        raise TimeoutError(f"worker {me.key} found no membership to join within {timeout_s or self.timeout_s:g} s")
 
     def agree(self, current: Membership, me: Member) -> Membership:
         """Check in for the epoch after ``current`` with ``me.step``; return the decided membership, or raise

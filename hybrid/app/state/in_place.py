@@ -86,11 +86,12 @@ class InPlace:
         self._heart = self.quorum.heartbeat(
             self.me, dist.TCPStore(host, int(port), is_master=False, timeout=timeout),
             epoch=lambda: self.membership.epoch if self.membership is not None else None,
-            on_joiner=lambda: cut_connections(self.endpoint, self._spare))
+            on_joiner=self._make_room)
         self.cfg = cfg
         self.run: Any = None  # the set-up's Training (hybrid.app.setup), which this room cannot import
         self.run_path: Path | None = None
         self.held: HeldState | None = None
+        self._session_start: int | None = None  # the step this session's training started at
         self._spare = socket_inodes()  # the agent's (shared by a forked worker) and the store's: never cut
 
     def group_store(self) -> Any:
@@ -114,7 +115,9 @@ class InPlace:
         """This worker of a node that comes back: register, wait for the membership that takes the node in,
         and take its place there; the state comes from a running worker at the set-up (:class:`HeldState`)."""
         started = time.monotonic()
-        new = self.quorum.join(self.me, self.env.local_world_size)
+        # Twice the collective timeout: a running worker whose collective was in flight when the join began
+        # can wait out its timeout before it meets the others (seen in about one join in eight here).
+        new = self.quorum.join(self.me, self.env.local_world_size, 2 * self.cfg.comm.timeout_s + 10)
         old = self.quorum.decided(new.epoch - 1)
         self.membership = new
         env = new.env_of(self.me.node, self.me.local_rank)
@@ -128,6 +131,19 @@ class InPlace:
     def watch(self, run: Any) -> None:
         """The training this worker continues from if a collective fails (its progress, kept by the loop)."""
         self.run = run
+        self._session_start = run.start_step if run is not None else None
+
+    def _make_room(self) -> bool:
+        """A node waits to join: make this worker's collectives fail, so that it meets the others in the next
+        agreement, which takes the node in. Only once this session has completed a step (every group built, on
+        every rank: cutting a group's connections while its peers still build theirs can leave one of them
+        waiting its whole timeout on a connection that never reports the cut)."""
+        run, start = self.run, self._session_start
+        if run is not None and start is not None and run.progress.step > start:
+            # Again at every look until this worker is in its recovery (which disarms it): a connection
+            # gloo opened after the last cut is cut too.
+            cut_connections(self.endpoint, self._spare)
+        return False
 
     def recoverable(self, exc: BaseException) -> bool:
         """A failure a peer caused (closed connections, a timed-out collective), after the first membership."""
@@ -137,6 +153,7 @@ class InPlace:
         """Leave every group, agree on who is in, and return this worker's place in the new membership (also
         in its torchrun environment). Raises :class:`hybrid.runtime.quorum.LeftOut` where it is not in."""
         started = time.monotonic()
+        self._session_start = None  # not training: a joiner waits for the next session's first step
         cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         cut_connections(self.endpoint, self._spare)  # every collective still pending here, and on peers, fails now
         _forget_frames(exc)
@@ -186,15 +203,21 @@ def change_of(old: Membership, new: Membership) -> str:
     return "in place: " + (", ".join(said) if said else "a collective failed, every node still in")
 
 
-def _beating(store: Any, prefix: str, within_s: float = 3 * HEARTBEAT_S) -> bool:
-    """Whether any worker of the last membership decided under ``prefix`` is alive (its heartbeat moves)."""
-    epoch = Quorum(store, prefix, DEAD_AFTER_S, within_s).current_epoch()
+def _beating(store: Any, prefix: str, within_s: float = 2 * DEAD_AFTER_S) -> bool:
+    """Whether any worker of the last membership decided under ``prefix`` is alive: its heartbeat moves within
+    ``within_s`` (twice the time after which the quorum counts a worker as gone: a busy machine delays beats)."""
+    quorum = Quorum(store, prefix, DEAD_AFTER_S, within_s)
+    epoch = quorum.current_epoch()
     if epoch is None:
         return False
-    keys = [f"{prefix}/hb/{m.key}" for m in Quorum(store, prefix, DEAD_AFTER_S, within_s).decided(epoch).members]
+    keys = [f"{prefix}/hb/{m.key}" for m in quorum.decided(epoch).members]
     first = [store.add(k, 0) for k in keys]
-    time.sleep(within_s)
-    return any(store.add(k, 0) != n for k, n in zip(keys, first))
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        time.sleep(HEARTBEAT_S)
+        if any(store.add(k, 0) != n for k, n in zip(keys, first)):
+            return True
+    return False
 
 
 def _forget_frames(exc: BaseException | None) -> None:
