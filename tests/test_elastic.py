@@ -299,7 +299,7 @@ def test_a_lost_node_started_again_rejoins_and_the_job_grows_back(recovery, tmp_
         again.kill()
     assert code == 0, out[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["steps"] == 300 and metrics["nnodes"] == 3 and metrics["world_size"] == 3
+    assert metrics["steps"] == 400 and metrics["nnodes"] == 3 and metrics["world_size"] == 3
     assert metrics["param_checksums_identical"]  # the returned node's replica included
     history = [(m["nnodes"], m["why"]) for m in metrics["membership"]]
     if recovery == "in_place":
@@ -308,5 +308,5 @@ def test_a_lost_node_started_again_rejoins_and_the_job_grows_back(recovery, tmp_
     else:
         assert history == [(3, "start"), (2, "elastic restart 1"), (3, "elastic restart 1")]
         assert kept == []  # every worker restarted
-    assert metrics["membership"][1]["step"] < metrics["membership"][2]["step"] < 300
+    assert metrics["membership"][1]["step"] < metrics["membership"][2]["step"] < 400
     assert all_gone([*everything, again.pid], within_s=15)
