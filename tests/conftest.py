@@ -32,12 +32,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 class _FirstTiersThenBackground:
-    """After deselection (-m, -k): the one-process tiers first, and the selected tests' background jobs started."""
+    """After deselection (-m, -k): the one-process tiers first, tests that wait for the background lane last, and
+    the selected tests' background jobs started."""
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        items.sort(key=lambda item: min((FIRST.get(m.name, 2) for m in item.iter_markers() if m.name in TIERS),
-                                        default=2))
+        # A test that waits for the background lane goes last: waiting earlier would idle while the lane runs.
+        items.sort(key=lambda item: (item.get_closest_marker("after_background") is not None,
+                                     min((FIRST.get(m.name, 2) for m in item.iter_markers() if m.name in TIERS),
+                                         default=2)))
         if config.option.collectonly:
             return
         for item in items:

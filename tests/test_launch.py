@@ -33,6 +33,7 @@ def test_worker_exception_is_surfaced_with_its_message():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.after_background
 def test_hung_job_is_stopped_at_the_deadline_and_leaves_no_process():
     background.wait_all()  # it looks at every hybrid process on the machine: none of another test's may run
     marker = uuid.uuid4().hex
