@@ -47,7 +47,7 @@ HEARTBEAT_S = 0.1
 
 @dataclass(frozen=True)
 class Member:
-    """One worker, named by where it started: its node (the agent's ``GROUP_RANK``) and local rank."""
+    """One worker, named by its node (hybrid's launcher index, ``HYBRID_NODE``; else the rendezvous rank) and local rank."""
 
     node: int
     local_rank: int
