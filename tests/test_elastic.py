@@ -221,7 +221,7 @@ def test_in_place_a_killed_node_costs_no_restart_and_at_most_the_step_in_flight(
 
     job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
               "cluster.recovery=in_place", f"comm={comm}", "comm.timeout_s=60",
-              "trainer.max_steps=30", "trainer.checkpoint_every=5", "trainer.log_every=1", "trainer.elastic_lr=scale",
+              "trainer.max_steps=20", "trainer.checkpoint_every=5", "trainer.log_every=1", "trainer.elastic_lr=scale",
               "model.width=512", "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
     job.wait_for(r"^step 11/", timeout=180)
     everything = [job.proc.pid, *descendants(job.proc.pid)]  # the store, the agents, the workers
@@ -239,7 +239,7 @@ def test_in_place_a_killed_node_costs_no_restart_and_at_most_the_step_in_flight(
     assert code == 0, out[-3000:]
     assert "restart 1" not in out and "resuming from the last checkpoint" not in out
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["steps"] == 30 and metrics["world_size"] == 2 * nproc and metrics["nnodes"] == 2
+    assert metrics["steps"] == 20 and metrics["world_size"] == 2 * nproc and metrics["nnodes"] == 2
     assert metrics["param_checksums_identical"]
     history = metrics["membership"]
     assert [(m["nnodes"], m["world_size"], m["why"]) for m in history] == [
