@@ -312,10 +312,18 @@ def _collect(job_dir: Path, agents: list[subprocess.Popen], min_nnodes: int | No
 
 
 def _result(job_dir: Path, node: int, agent: subprocess.Popen) -> tuple[str, Any]:
-    path = job_dir / f"result-{node}.pkl"
-    if not path.is_file():
+    outcome = _outcome(job_dir, node)
+    if outcome is None:
         return "failed", f"agent exited with code {agent.returncode} without a result"
-    return pickle.loads(path.read_bytes())[:2]
+    return outcome[0], outcome[1]
+
+
+def _outcome(job_dir: Path, node: int) -> tuple | None:
+    """What node ``node``'s agent wrote (status, payload[, nodes of the last membership]); None: nothing yet."""
+    try:
+        return pickle.loads((job_dir / f"result-{node}.pkl").read_bytes())
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
 
 
 def _finished_together(job_dir: Path | None, agents: list[subprocess.Popen]) -> bool:
@@ -324,14 +332,8 @@ def _finished_together(job_dir: Path | None, agents: list[subprocess.Popen]) -> 
     say), with nothing left to wait for."""
     if job_dir is None:
         return False
-    finished = []
-    for i in range(len(agents)):
-        try:
-            outcome = pickle.loads((job_dir / f"result-{i}.pkl").read_bytes())
-        except (OSError, EOFError, pickle.UnpicklingError):
-            continue
-        if outcome[0] == "ok" and len(outcome) > 2:
-            finished.append(outcome[2])
+    outcomes = [_outcome(job_dir, i) for i in range(len(agents))]
+    finished = [o[2] for o in outcomes if o is not None and o[0] == "ok" and len(o) > 2]
     return bool(finished) and 0 < max(finished) <= len(finished)
 
 
