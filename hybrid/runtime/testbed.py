@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 from hybrid.runtime import cpu_limit
 from hybrid.runtime.launch import NodeNetwork
 
-__all__ = ["MAX_NICS", "LinkShape", "Testbed", "TestbedError", "cleanup_leftovers", "nic_address", "nic_names",
+__all__ = ["MAX_NICS", "LinkShape", "Testbed", "TestbedError", "cleanup_leftovers", "nic_address", "nic_names", "owned_namespaces",
            "per_node_cpus", "per_node_rates", "testbed_available"]
 
 MAX_NICS = 8
@@ -159,6 +159,11 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def owned_namespaces() -> list[tuple[str, int]]:
+    """Every testbed namespace on this machine, with the pid of the process that made it."""
+    return _ours()[0]
 
 
 def _ours() -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
