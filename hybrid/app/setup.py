@@ -32,6 +32,7 @@ from hybrid.app.state.held import HeldState, Progress
 from hybrid.app.state.membership import RunLayout, apply_lr_policy, describe_change, history_after_resume, start_history
 from hybrid.app.targets import Component, ComponentError, current_target, first_line
 from hybrid.runtime.distributed import broadcast_from_rank0
+from hybrid.runtime.slurm import slurm_restart
 
 __all__ = ["Training", "build_loss", "build_model", "build_training", "device_for", "load_dataset", "restore_training",
            "sample_batch", "set_up"]
@@ -180,19 +181,21 @@ def _state_to_continue(trainer: TrainerConfig, run_path: Path, rank: int, metric
     # After a restart by the elastic agent, continue from this run's last checkpoint if it wrote one. Rank 0
     # owns the run dir and decides for all, every rank asking: a node that joined late starts with restart
     # count 0 where the others have theirs.
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    restart = broadcast_from_rank0(restart if rank == 0 and restart and checkpoint_steps(run_path / "checkpoints")
-                                   else 0)
-    if restart:
+    # The same after Slurm requeued the job: it runs again in its own run dir (hybrid.runtime.slurm.slurm_restart).
+    elastic, requeue = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), slurm_restart()
+    mine = (elastic, requeue) if rank == 0 and (elastic or requeue) and checkpoint_steps(run_path / "checkpoints") \
+        else (0, 0)
+    elastic, requeue = broadcast_from_rank0(mine)
+    why = f"elastic restart {elastic}" if elastic else f"Slurm requeue {requeue}" if requeue else ""
+    if why:
         source = run_path
-        metrics.status(f"restart {restart}: resuming from the last checkpoint in {run_path / 'checkpoints'}")
+        metrics.status(f"{why}: resuming from the last checkpoint in {run_path / 'checkpoints'}")
     if source is None:
         return None, None, None, ""
     state = load_checkpoint(source, log=metrics.status) if rank == 0 else None
     # Every rank's residuals stay on rank 0 until each gets only its own.
     saved_residuals = state.pop(error_feedback.CHECKPOINT_KEY, None) if state is not None else None
-    return (broadcast_from_rank0(state), saved_residuals, source,
-            f"elastic restart {restart}" if restart else f"resumed from {source}")
+    return broadcast_from_rank0(state), saved_residuals, source, why or f"resumed from {source}"
 
 
 @dataclass

@@ -29,8 +29,10 @@ from typing import Any, Sequence
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
+from hybrid.app.config import TrainConfig, validate
+from hybrid.app.slurm_wait import wait_for_jobs
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 
@@ -50,13 +52,9 @@ def rank0_return(returns: Sequence[JobReturn]) -> JobReturn:
     return returns[0]
 
 
-def _check_job(job_cfg: Any, params: dict[str, Any], overrides: Sequence[str]) -> None:
-    """The job's settings validate, and its Slurm tasks are one per node of ``cluster.nnodes``; if not, one
+def _check_job(job_cfg: Any, params: dict[str, Any], overrides: Sequence[str]) -> TrainConfig:
+    """The job's settings, validated, and its Slurm tasks one per node of ``cluster.nnodes``; if not, one
     line on stderr and exit 2 (as the single-run precheck does), before any job of the sweep is queued."""
-    from omegaconf import open_dict
-
-    from hybrid.app.config import validate
-
     app = job_cfg.copy()
     with open_dict(app):
         del app["hydra"]
@@ -71,22 +69,38 @@ def _check_job(job_cfg: Any, params: dict[str, Any], overrides: Sequence[str]) -
         # SystemExit passes Hydra's error report (which would print a traceback for an exception).
         print(f"error: sweep job {job}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    return settings
+
+
+def _job_dir(job_cfg: Any, idx: int) -> Path:
+    """Where Hydra will run job ``idx`` of the sweep (``hydra.sweep.dir / hydra.sweep.subdir``, as its
+    ``run_job`` resolves them), known before the job starts: a job Slurm ends before it starts still gets
+    its record there."""
+    with open_dict(job_cfg.hydra.job):
+        job_cfg.hydra.job.num = idx
+        job_cfg.hydra.job.id = f"job_id_for_{idx}"
+    return Path(str(job_cfg.hydra.sweep.dir)) / str(job_cfg.hydra.sweep.subdir)
 
 
 class PerJobResources(BaseSubmititLauncher):
     """The plugin's launcher, resources per sweep job; concrete in hydra_plugins.hybrid_slurm_launcher."""
 
-    def _job_params(self, overrides: Sequence[str]) -> dict[str, Any]:
+    def _job_params(self, overrides: Sequence[str], idx: int) -> tuple[dict[str, Any], Path]:
         """``hydra.launcher`` as resolved in this job's config (the sweep's base config would not see its
         overrides), after checking the job's settings: bad input fails here, in one line, before anything is
-        queued, not in every task once Slurm has started it."""
+        queued, not in every task once Slurm has started it. Also the job's directory."""
         assert self.config is not None and self.hydra_context is not None
         job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
         params = OmegaConf.to_container(job_cfg.hydra.launcher, resolve=True)
         assert isinstance(params, dict)
         params.pop("_target_", None)
-        _check_job(job_cfg, params, overrides)
-        return params
+        settings = _check_job(job_cfg, params, overrides)
+        if settings.cluster.min_nnodes and self._EXECUTOR == "slurm":
+            # An elastic job outlives a lost node: Slurm must not end the job (sbatch) or its step (srun) when
+            # one of its nodes fails; the survivors' agents go on without it.
+            params["additional_parameters"] = {**(params.get("additional_parameters") or {}), "no-kill": True}
+            params["srun_args"] = [*(params.get("srun_args") or []), "--no-kill"]
+        return params, _job_dir(job_cfg, idx)
 
     def _executor(self, params: dict[str, Any]) -> Any:
         """A submitit executor for ``params``, mapped exactly as the plugin maps ``hydra.launcher``."""
@@ -109,8 +123,9 @@ class PerJobResources(BaseSubmititLauncher):
             os.chmod(sweep_dir, mode=int(str(self.config.hydra.sweep.mode), 8))
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
         groups: dict[str, tuple[dict[str, Any], list[int]]] = {}
+        job_dirs: dict[int, Path] = {}
         for i, overrides in enumerate(job_overrides):
-            params = self._job_params(overrides)
+            params, job_dirs[i] = self._job_params(overrides, initial_job_idx + i)
             groups.setdefault(json.dumps(params, sort_keys=True, default=str), (params, []))[1].append(i)
         jobs: dict[int, Any] = {}
         for params, indices in groups.values():
@@ -121,4 +136,6 @@ class PerJobResources(BaseSubmititLauncher):
                 job_params.append((list(job_overrides[i]), "hydra.sweep.dir", idx, f"job_id_for_{idx}",
                                    Singleton.get_state()))
             jobs.update(zip(indices, self._executor(params).map_array(self, *zip(*job_params))))
-        return [rank0_return(jobs[i].results()) for i in range(len(job_overrides))]
+        if self._EXECUTOR != "slurm":  # submitit's local executor: its own processes, its own wait
+            return [rank0_return(jobs[i].results()) for i in range(len(job_overrides))]
+        return wait_for_jobs(jobs, job_dirs, job_overrides, rank0_return)

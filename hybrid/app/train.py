@@ -31,7 +31,7 @@ from hybrid.app.observability.run_log import say
 from hybrid.app.observability.run_names import register_resolvers
 from hybrid.app.worker import run_worker
 from hybrid.runtime.launch import launch_local, start_agent_server
-from hybrid.runtime.slurm import SlurmNode, in_submitit_task
+from hybrid.runtime.slurm import SlurmNode, in_submitit_task, slurm_restart
 from hybrid.runtime.testbed import LinkShape, Testbed
 
 __all__ = ["launch_job", "main", "train"]
@@ -86,7 +86,8 @@ def _run(settings: TrainConfig, hydra_cfg: Any, run_dir: Path) -> dict[str, Any]
         # last node has joined), so a refusal stops all nodes at once instead of leaving them to wait.
         node = SlurmNode.of_this_task(settings.cluster.nnodes, settings.cluster.rdzv_port,
                                       settings.cluster.rdzv_endpoint)
-        check_run_dir(run_dir, settings.trainer.resume)
+        if not slurm_restart():  # a requeued job continues its own run (hybrid.app.setup.restore_training)
+            check_run_dir(run_dir, settings.trainer.resume)
         prepare(settings)
         # Processes per node as in launch_job: one per device, or one with cluster.intra_mode=thread.
         result = node.run(settings.process_layout.node_sizes[0], run_worker, (settings, str(run_dir)),

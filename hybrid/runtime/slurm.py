@@ -30,7 +30,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-__all__ = ["SlurmNode", "in_submitit_task", "rdzv_port"]
+__all__ = ["SlurmNode", "in_submitit_task", "rdzv_port", "slurm_restart"]
 
 _LOCALHOST = "127.0.0.1"
 # Below Linux's ephemeral range (32768-60999): an outgoing connection never holds one of these.
@@ -44,6 +44,15 @@ def in_submitit_task() -> bool:
     ``SUBMITIT_FOLDER`` is set only by the task process that runs the submitted function.
     """
     return bool(os.environ.get("SUBMITIT_EXECUTOR")) and bool(os.environ.get("SUBMITIT_FOLDER"))
+
+
+def slurm_restart() -> int:
+    """How often Slurm has requeued this job (``SLURM_RESTART_COUNT``; 0: its first run, or not under Slurm).
+
+    A requeued job (``scontrol requeue``, preemption with requeue, submitit's requeue before a time limit)
+    runs again with the same job id and the same Hydra job directory: it continues its own run from that
+    directory's last checkpoint."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) if in_submitit_task() or "SLURM_JOB_ID" in os.environ else 0
 
 
 def rdzv_port(job_id: str) -> int:

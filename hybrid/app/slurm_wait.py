@@ -1,0 +1,97 @@
+"""Waiting for a sweep's Slurm jobs: each one's result from submitit, its fate from slurmctld.
+
+submitit's own wait (``job.results()``) ends when every task has written its result file, and learns
+of jobs that never will only through ``sacct``; with accounting off it waits forever for a cancelled
+job. Here slurmctld's record (:func:`hybrid.runtime.slurm_records.job_record`) decides when a job is
+over: results are read once Slurm says the job has ended (a requeued job is PENDING again, and the
+result files of its interrupted run do not count), and a job that ended without them (``scancel``,
+a node failure, a time limit) becomes a failed job return that names its Slurm state, while the other
+jobs of the sweep go on. Every job directory gets ``slurm.json``: the Slurm job id, final state,
+nodes, exit code and how often Slurm requeued it (the report reads it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+
+from hybrid.runtime.slurm_records import ACTIVE, job_record
+
+__all__ = ["SLURM_OUTCOME", "SlurmJobEnded", "wait_for_jobs"]
+
+log = logging.getLogger(__name__)
+
+SLURM_OUTCOME = "slurm.json"
+POLL_S = 2.0
+RESULT_GRACE_S = 15.0  # after Slurm says a job ended, how long its result files may take to appear
+SILENT_S = 300.0  # slurmctld knows none of the unfinished jobs for this long: stop waiting
+
+
+class SlurmJobEnded(RuntimeError):
+    """A Slurm job ended without a result (cancelled, failed, timed out, its node lost)."""
+
+
+def _has_results(job: Any) -> bool:
+    return all(job.task(t).paths.result_pickle.exists() for t in range(job.num_tasks))
+
+
+def _outcome(job: Any, record: Mapping[str, str] | None, overrides: Sequence[str]) -> dict[str, Any]:
+    record = record or {}
+    return {"job_id": job.job_id, "state": record.get("JobState", "UNKNOWN"), "nodes": record.get("NodeList", ""),
+            "exit_code": record.get("ExitCode", ""), "requeued": int(record.get("Restarts", "0") or 0),
+            "reason": record.get("Reason", ""), "overrides": list(filter_overrides(overrides))}
+
+
+def _ended(outcome: Mapping[str, Any], job_dir: Path) -> JobReturn:
+    what = " ".join(outcome["overrides"]) or "(no overrides)"
+    message = (f"sweep job {job_dir.name} ({what}): Slurm job {outcome['job_id']} ended {outcome['state']} "
+               f"without a result (exit code {outcome['exit_code'] or '?'}, reason {outcome['reason'] or 'none'})")
+    log.error(message)
+    ret = JobReturn(overrides=list(outcome["overrides"]), working_dir=str(job_dir))
+    ret.status = JobStatus.FAILED
+    ret.return_value = SlurmJobEnded(message)
+    return ret
+
+
+def wait_for_jobs(jobs: Mapping[int, Any], job_dirs: Mapping[int, Path], overrides: Sequence[Sequence[str]],
+                  speaker: Callable[[list[JobReturn]], JobReturn]) -> list[JobReturn]:
+    """Each submitit job's return (``speaker`` picks the one of its tasks' returns that speaks for it), in the
+    order of ``jobs``' keys, once slurmctld says every job has ended."""
+    returns: dict[int, JobReturn] = {}
+    ended_at: dict[int, float] = {}
+    heard = time.monotonic()
+    while len(returns) < len(jobs):
+        for i, job in jobs.items():
+            if i in returns:
+                continue
+            record = job_record(job.job_id)
+            now = time.monotonic()
+            if record is not None:
+                heard = now
+                if record["JobState"] in ACTIVE:
+                    ended_at.pop(i, None)
+                    continue
+            elif not _has_results(job):
+                continue  # no record (not yet, a slow answer, or purged): SILENT_S bounds the wait
+            ended_at.setdefault(i, now)
+            outcome = _outcome(job, record, overrides[i])
+            if _has_results(job):
+                returns[i] = speaker(job.results())
+            elif now - ended_at[i] >= RESULT_GRACE_S:
+                returns[i] = _ended(outcome, job_dirs[i])
+            else:
+                continue
+            job_dirs[i].mkdir(parents=True, exist_ok=True)
+            (job_dirs[i] / SLURM_OUTCOME).write_text(json.dumps(outcome, indent=1) + "\n")
+        if len(returns) < len(jobs):
+            if time.monotonic() - heard > SILENT_S:
+                raise SlurmJobEnded(f"slurmctld has known none of jobs "
+                                    f"{', '.join(jobs[i].job_id for i in jobs if i not in returns)} for "
+                                    f"{SILENT_S:.0f} s (scontrol show job): stopped waiting")
+            time.sleep(POLL_S)
+    return [returns[i] for i in sorted(returns)]
