@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 SLURM_OUTCOME = "slurm.json"
 POLL_S = 2.0
-RESULT_GRACE_S = 15.0  # after Slurm says a job ended, how long its result files may take to appear
+RESULT_GRACE_S = 5.0  # after Slurm says a job ended, how long its result files may take to appear
 SILENT_S = 300.0  # slurmctld knows none of the unfinished jobs for this long: stop waiting
 
 
@@ -36,8 +36,23 @@ class SlurmJobEnded(RuntimeError):
     """A Slurm job ended without a result (cancelled, failed, timed out, its node lost)."""
 
 
+def _tasks_with_results(job: Any) -> list[Any]:
+    return [job.task(t) for t in range(job.num_tasks) if job.task(t).paths.result_pickle.exists()]
+
+
 def _has_results(job: Any) -> bool:
-    return all(job.task(t).paths.result_pickle.exists() for t in range(job.num_tasks))
+    return len(_tasks_with_results(job)) == job.num_tasks
+
+
+def _read_results(job: Any, speaker: Callable[[list[JobReturn]], JobReturn]) -> JobReturn | None:
+    """What the tasks that wrote a result returned, as ``speaker`` sums it up (an elastic job that lost a
+    node completes without that node's task's result); None if none can be read."""
+    try:
+        returns = [task.results()[0] for task in _tasks_with_results(job)]
+    except Exception as exc:  # a result file that does not load, or a task's own error: the job has no result
+        log.warning(f"Slurm job {job.job_id}: its result files do not load ({type(exc).__name__}: {exc})")
+        return None
+    return speaker(returns) if returns else None
 
 
 def _outcome(job: Any, record: Mapping[str, str] | None, overrides: Sequence[str]) -> dict[str, Any]:
@@ -80,9 +95,15 @@ def wait_for_jobs(jobs: Mapping[int, Any], job_dirs: Mapping[int, Path], overrid
                 continue  # no record (not yet, a slow answer, or purged): SILENT_S bounds the wait
             ended_at.setdefault(i, now)
             outcome = _outcome(job, record, overrides[i])
-            if _has_results(job):
-                returns[i] = speaker(job.results())
-            elif now - ended_at[i] >= RESULT_GRACE_S:
+            # A job that did not complete has no result to trust: a task killed by scancel or a lost node
+            # may still have written one (its agent's exception, which need not even unpickle).
+            completed = record is None or outcome["state"] == "COMPLETED"
+            # Every task's result, or after the grace those there are (a lost node's task wrote none).
+            whole = _has_results(job) or now - ended_at[i] >= RESULT_GRACE_S
+            read = _read_results(job, speaker) if completed and whole else None
+            if read is not None:
+                returns[i] = read
+            elif not completed or now - ended_at[i] >= RESULT_GRACE_S:
                 returns[i] = _ended(outcome, job_dirs[i])
             else:
                 continue

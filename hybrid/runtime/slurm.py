@@ -116,6 +116,12 @@ class SlurmNode:
             # (os.cpu_count): torchrun's agent leaves OMP_NUM_THREADS to the user as well; an explicit one wins.
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+            # Workers get a store of their own per (re)start, hosted by rank 0 (hybrid.runtime.distributed), as
+            # in a local launch. torch's shared agent store keys each attempt by the agent's own restart count,
+            # which differs between an agent whose workers failed (count + 1) and one that restarted them for
+            # the new membership (count kept): after a lost node the survivors then met under different keys
+            # and the job hung until its time limit (seen on the Slurm testbed, one run in two).
+            os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         return run_node(
             entrypoint, tuple(args), nnodes=self.nnodes, nproc_per_node=nproc, node_rank=self.rank,
             run_id=f"hybrid-{self.job_id}", rdzv_endpoint=self.rdzv_endpoint, timeout_s=timeout_s,

@@ -14,7 +14,7 @@ What the testbed leaves out of a production slurm.conf, and why:
 node; a step's processes are found by parentage), ``AccountingStorageType=accounting_storage/none`` (no
 slurmdbd and database: ``sacct`` says accounting is disabled, and job states come from slurmctld's records,
 kept ``MinJobAge`` seconds; :mod:`hybrid.app.slurm_launcher` reads them there), and short timers
-(a requeued job may start again after ``cred_expire`` = 10 s instead of 120 s; the scheduler looks every
+(a requeued job may start again after ``cred_expire`` = 5 s instead of 120 s; the scheduler looks every
 2 s; a slurmd silent for 10 s is DOWN). Everything else is Slurm's own behaviour.
 
 Needs root (the daemons run as root; namespaces and munge's key file owner) and Debian's ``slurmctld``,
@@ -97,8 +97,8 @@ def slurm_conf(spec: SlurmSpec) -> str:
         f"SlurmctldHost={CONTROLLER}({SERVICE_ADDRESS})",
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        # A requeued job may start again once its old credentials have expired: 10 s, not Slurm's 120.
-        f"AuthInfo=socket={spec.munge_socket},cred_expire=10",
+        # A requeued job may start again once its old credentials have expired: 5 s, not Slurm's 120.
+        f"AuthInfo=socket={spec.munge_socket},cred_expire=5",
         "SlurmUser=root",
         "SlurmdUser=root",
         f"StateSaveLocation={b / 'state'}",

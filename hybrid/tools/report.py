@@ -39,6 +39,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from hybrid.app.slurm_wait import SLURM_OUTCOME
 from hybrid.app.targets import label_of
 from hybrid.core.costmodel import Model, calibrate
 from hybrid.core.topology import Layout
@@ -97,6 +98,21 @@ def network_of(cfg: Any, job_dir: Path) -> tuple[str, list[float] | None, int]:
     return LOOPBACK, None, 1
 
 
+def slurm_note(job_dir: Path) -> str:
+    """What Slurm said of a job that ran under hydra/launcher=slurm (its slurm.json), in words; "" otherwise."""
+    path = job_dir / SLURM_OUTCOME
+    if not path.is_file():
+        return ""
+    outcome = json.loads(path.read_text())
+    requeued = f", requeued {outcome['requeued']}x" if outcome.get("requeued") else ""
+    return f" (Slurm job {outcome['job_id']}: {outcome['state']}{requeued})"
+
+
+def unstarted_jobs(sweep_dir: Path) -> list[Path]:
+    """Job directories Slurm ended before Hydra ran in them: a slurm.json and no .hydra/config.yaml."""
+    return sorted(p.parent for p in sweep_dir.glob(f"*/{SLURM_OUTCOME}") if not (p.parent / ".hydra").is_dir())
+
+
 def load_jobs(sweep_dir: Path) -> list[Job]:
     jobs = []
     for cfg_file in sorted(sweep_dir.glob("**/.hydra/config.yaml")):
@@ -134,8 +150,10 @@ def write_report(sweep_dir: Path, jobs: list[Job], model: Model | None, out_md: 
     lines += peers_table(jobs)
     lines += breakdown_table(jobs)
     missing = [j for j in jobs if not j.ok]
-    lines += ["## Jobs without metrics (failed or still running)", ""]
-    lines += [f"- {j.path.name}: {j.layout} {j.comm} {j.model}" for j in missing] or ["- none"]
+    lines += ["## Jobs without metrics (failed, cancelled or still running)", ""]
+    lines += [f"- {j.path.name}: {j.layout} {j.comm} {j.model}{slurm_note(j.path)}" for j in missing]
+    lines += [f"- {d.name}: never started{slurm_note(d)}" for d in unstarted_jobs(sweep_dir)]
+    lines += [] if lines[-1].startswith("- ") else ["- none"]
     out_md.write_text("\n".join(lines) + "\n")
     report_figure(jobs).savefig(out_png, dpi=90)
     breakdown_png = out_png.with_name(out_png.stem + "_breakdown.png")
