@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hybrid"
 LAYERS = ("core", "runtime", "integrations", "app", "tools")  # lowest first
-ENTRY_POINTS = {"hybrid.train", "hybrid.bench", "hybrid.report", "hybrid.costmodel"}
+ENTRY_POINTS = {"hybrid.train", "hybrid.bench", "hybrid.report", "hybrid.costmodel", "hybrid.testbed"}
 CORE_MUST_NOT_IMPORT = ("hydra", "omegaconf", "tensorboard", "torch.utils.tensorboard")
 # Inside the app, lowest first: the two base modules, then the rooms (sub-packages). Each imports only from
 # itself and what comes before it; the app's other top-level modules (the entry point, worker, set-up, loop,
@@ -105,7 +105,7 @@ def test_every_app_module_is_in_a_room_or_runs_the_job():
     """Modules of the app's top level are few and named; everything else sits in a room."""
     top = sorted(m for m in MODULES if app_room_of(m) == len(APP_ROOMS))
     assert top == ["hybrid.app.checks", "hybrid.app.loop", "hybrid.app.setup", "hybrid.app.slurm_launcher",
-                   "hybrid.app.train", "hybrid.app.worker"]
+                   "hybrid.app.slurm_wait", "hybrid.app.train", "hybrid.app.worker"]
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if app_room_of(m) is not None))

@@ -20,13 +20,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
-from hybrid.runtime.slurm_records import ACTIVE, job_record
+from hybrid.runtime.slurm_records import ACTIVE, OUTCOME_FILE, job_record
 
-__all__ = ["SLURM_OUTCOME", "SlurmJobEnded", "wait_for_jobs"]
+__all__ = ["SlurmJobEnded", "wait_for_jobs"]
 
 log = logging.getLogger(__name__)
 
-SLURM_OUTCOME = "slurm.json"
 POLL_S = 2.0
 RESULT_GRACE_S = 5.0  # after Slurm says a job ended, how long its result files may take to appear
 SILENT_S = 300.0  # slurmctld knows none of the unfinished jobs for this long: stop waiting
@@ -108,7 +107,7 @@ def wait_for_jobs(jobs: Mapping[int, Any], job_dirs: Mapping[int, Path], overrid
             else:
                 continue
             job_dirs[i].mkdir(parents=True, exist_ok=True)
-            (job_dirs[i] / SLURM_OUTCOME).write_text(json.dumps(outcome, indent=1) + "\n")
+            (job_dirs[i] / OUTCOME_FILE).write_text(json.dumps(outcome, indent=1) + "\n")
         if len(returns) < len(jobs):
             if time.monotonic() - heard > SILENT_S:
                 raise SlurmJobEnded(f"slurmctld has known none of jobs "

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import subprocess
 
-__all__ = ["ACTIVE", "job_record"]
+__all__ = ["ACTIVE", "OUTCOME_FILE", "job_record"]
+
+# What a sweep job's directory holds of its Slurm job once it ended (hybrid.app.slurm_wait writes it).
+OUTCOME_FILE = "slurm.json"
 
 # States in which a job may still produce its result (a requeued job passes through PENDING again).
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",

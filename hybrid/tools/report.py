@@ -39,10 +39,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from hybrid.app.slurm_wait import SLURM_OUTCOME
 from hybrid.app.targets import label_of
 from hybrid.core.costmodel import Model, calibrate
 from hybrid.core.topology import Layout
+from hybrid.runtime.slurm_records import OUTCOME_FILE
 from hybrid.runtime.testbed import per_node_rates
 from hybrid.tools.report_breakdown import breakdown_figure, breakdown_table
 from hybrid.tools.report_costmodel import calibrate_from_jobs, describe_model, predict_jobs
@@ -100,7 +100,7 @@ def network_of(cfg: Any, job_dir: Path) -> tuple[str, list[float] | None, int]:
 
 def slurm_note(job_dir: Path) -> str:
     """What Slurm said of a job that ran under hydra/launcher=slurm (its slurm.json), in words; "" otherwise."""
-    path = job_dir / SLURM_OUTCOME
+    path = job_dir / OUTCOME_FILE
     if not path.is_file():
         return ""
     outcome = json.loads(path.read_text())
@@ -110,7 +110,7 @@ def slurm_note(job_dir: Path) -> str:
 
 def unstarted_jobs(sweep_dir: Path) -> list[Path]:
     """Job directories Slurm ended before Hydra ran in them: a slurm.json and no .hydra/config.yaml."""
-    return sorted(p.parent for p in sweep_dir.glob(f"*/{SLURM_OUTCOME}") if not (p.parent / ".hydra").is_dir())
+    return sorted(p.parent for p in sweep_dir.glob(f"*/{OUTCOME_FILE}") if not (p.parent / ".hydra").is_dir())
 
 
 def load_jobs(sweep_dir: Path) -> list[Job]:
