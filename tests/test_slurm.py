@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -160,3 +161,42 @@ def test_sweep_of_two_layouts_one_elastic_agent_per_node_as_local_submitit_tasks
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == []
+
+
+@pytest.mark.unit
+def test_slurm_warning_stops_every_rank_after_one_agreed_step(monkeypatch, tmp_path):
+    """Slurm's signal reaches one rank after its step 5 (a real signal, a real store): that rank proposes
+    step 7; a rank a step behind sees the proposal before it passes it, so both stop after step 7."""
+    import torch.distributed as dist
+
+    from hybrid.app.state.preemption import SignalStop, mark_stopped, wait_for_stop
+
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        behind = SignalStop(store, signal.SIGUSR2)
+        ahead = SignalStop(store, signal.SIGUSR2)  # its handler is the process's now: it gets the signal
+        assert behind.stop_after(4) is None and ahead.stop_after(5) is None
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert ahead.stop_after(5) == 7
+        assert behind.stop_after(5) == 7 and behind.stop_after(6) == 7
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    since = time.time() - 1
+    assert wait_for_stop(tmp_path, since, timeout_s=0.3) is None  # nothing written: the wait ends, no hang
+    mark_stopped(tmp_path, 7)
+    assert wait_for_stop(tmp_path, since, timeout_s=5) == 7
+    assert wait_for_stop(tmp_path, time.time() + 60, timeout_s=0.3) is None  # an older stop does not count
+
+
+@pytest.mark.unit
+def test_slurm_testbed_refuses_bad_input_in_one_line(capsys, tmp_path):
+    from hybrid.tools.testbed_cli import main
+
+    assert main(["slurm", "up", "--nodes", "0", "--dir", str(tmp_path / "cluster")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: ")
+    assert "--nodes 0: a Slurm testbed has 1..64 nodes" in err or "the Slurm testbed needs" in err
+    assert not (tmp_path / "cluster").exists()  # nothing made

@@ -26,6 +26,7 @@ from hybrid.app.state import error_feedback
 from hybrid.app.state.checkpoint import save_checkpoint
 from hybrid.app.state.held import Progress, checkpoint_meta
 from hybrid.app.state.membership import RunLayout
+from hybrid.app.state.preemption import Preempted, SignalStop, mark_stopped
 from hybrid.app.targets import Component
 from hybrid.core.comm import Communicator, PhaseCounters
 from hybrid.core.topology import Topology
@@ -96,10 +97,12 @@ class Checkpointer:
 
 def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: Any,
                stream: BatchStream, processor: MetricsProcessor, checkpointer: Checkpointer, start_step: int,
-               grads_as_bucket_views: bool, device: torch.device, progress: Progress | None = None) -> int:
+               grads_as_bucket_views: bool, device: torch.device, progress: Progress | None = None,
+               stop: SignalStop | None = None) -> int:
     """Steps ``start_step`` .. the last one (``max_steps``, or ``stop_after`` steps on); checks replicas and
     writes checkpoints on schedule and at the end. Returns the last step. ``progress``: kept up to date after
-    every step."""
+    every step. ``stop``: Slurm's warning before the end; raises :class:`Preempted` after the agreed step's
+    checkpoint."""
     last = trainer.max_steps if not trainer.stop_after else min(trainer.max_steps, start_step + trainer.stop_after)
     recorder = processor.recorder
     progress = progress if progress is not None else Progress()
@@ -120,6 +123,12 @@ def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.opti
             with recorder.span("checkpoint"):
                 checkpointer.save(done, replicas, optimizer, scheduler, stream)
         processor.step_end(done)
+        if stop is not None and (agreed := stop.stop_after(done)) is not None and done >= agreed and done < last:
+            with recorder.span("checkpoint"):
+                checkpointer.save(done, replicas, optimizer, scheduler, stream)
+            if checkpointer.rank == 0:
+                mark_stopped(checkpointer.directory.parent, done)
+            raise Preempted(done)
     checkpointer.save(last, replicas, optimizer, scheduler, stream)
     return last
 
@@ -132,8 +141,12 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
     logging, then gather the run's result (rank 0 returns it and writes metrics.json; the others None)."""
     processor = MetricsProcessor(cfg, topology, metrics, counters, comm, run.membership, run_path)
     checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, run.layout, run.membership, rank, feedback, run.state)
-    last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor, checkpointer,
-                      run.start_step, cfg.comm.grad_as_bucket_view, device, run.progress)
+    try:
+        last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor, checkpointer,
+                          run.start_step, cfg.comm.grad_as_bucket_view, device, run.progress, SignalStop.for_slurm())
+    except Preempted as stopped:  # not the run's end: the requeued job continues from the checkpoint
+        metrics.status(str(stopped))
+        return {"preempted_after": stopped.step} if rank == 0 else None
     summary = getattr(replicas, "summary", None)  # what a replica kind adds to metrics.json (comm=diloco's)
     return processor.finish(replicas.local_models(), replicas.module, last, device, run_path, rank,
                             replicas.shard_index, summary() if summary is not None else None)

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,12 +34,15 @@ from omegaconf import OmegaConf, open_dict
 
 from hybrid.app.config import TrainConfig, validate
 from hybrid.app.slurm_wait import wait_for_jobs
+from hybrid.app.state.preemption import wait_for_stop
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 
 __all__ = ["PerJobResources", "rank0_return"]
 
 log = logging.getLogger(__name__)
+
+STOP_WAIT_S = 60.0  # within submitit's default warning (signal_delay_s=90) before the time limit
 
 
 def rank0_return(returns: Sequence[JobReturn]) -> JobReturn:
@@ -114,6 +118,24 @@ class PerJobResources(BaseSubmititLauncher):
         shared = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(**{k if k in shared else f"{self._EXECUTOR}_{k}": v for k, v in params.items()})
         return executor
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """Called by submitit in the task holding its global rank 0 when Slurm's warning signal arrives
+        (before the time limit, or ``scancel --signal``): wait until the workers, who got the signal too,
+        have stopped at one agreed step and checkpointed there (:mod:`hybrid.app.state.preemption`), then hand
+        submitit the same job to requeue; the requeued job resumes from that checkpoint."""
+        from hydra.core.hydra_config import HydraConfig
+
+        asked = time.time() - 1.0
+        try:
+            run_dir: Path | None = Path(HydraConfig.get().runtime.output_dir)
+        except ValueError:  # no job of ours runs in this process
+            run_dir = None
+        if run_dir is not None:
+            step = wait_for_stop(run_dir, asked, STOP_WAIT_S)
+            log.info(f"the workers stopped after step {step} with a checkpoint; requeueing" if step is not None else
+                     f"the workers did not stop within {STOP_WAIT_S:.0f} s; requeueing (the last checkpoint counts)")
+        return super().checkpoint(*args, **kwargs)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None and len(job_overrides) > 0

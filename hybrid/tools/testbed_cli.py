@@ -82,14 +82,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    if _holder(args.dir) is not None:
-        print(f"error: a Slurm testbed is already up in {args.dir} (python -m hybrid.testbed slurm down)",
-              file=sys.stderr)
-        return 2
     try:
         SlurmSpec(args.nodes, args.cores, args.link_mbit, args.dir, args.cpu_quota)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if _holder(args.dir) is not None:
+        print(f"error: a Slurm testbed is already up in {args.dir} (python -m hybrid.testbed slurm down)",
+              file=sys.stderr)
         return 2
     if args.dir.exists():
         _clear(args.dir)  # what a killed holder left
