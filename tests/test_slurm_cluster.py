@@ -126,23 +126,43 @@ def test_sweep_across_sizes_runs_as_slurm_jobs_on_distinct_hosts(cluster, sizes)
     assert (root / "report.md").is_file()
 
 
-def test_requeued_job_resumes_bitwise_and_a_cancelled_one_is_reported(cluster, sizes):
-    """scontrol requeue after the step-10 checkpoint: the same weights as the uninterrupted 2-node job of the
-    first sweep, in one run dir; scancel of the other job of the sweep: reported CANCELLED, the first unaffected."""
-    root = cluster["work"] / "requeue"
-    # The 2-node job beside a 1-node one: both run at once on the 3 nodes, each a Slurm job of its own size.
-    proc = sweep(cluster, "requeue", "cluster.nnodes=2,1", "comm=hierarchical")
-    hier = root / "00_cluster.nnodes:2"
+def queued(cluster, count: int) -> dict[str, str]:
+    """The queued jobs' ids by node count, once there are ``count`` of them."""
     deadline = time.monotonic() + 120
     while len(by_size := dict(reversed(line.split()) for line in
-                              slurm(cluster, "squeue", "-h", "-o", "%i %D").splitlines())) < 2:
-        assert time.monotonic() < deadline, "the sweep's two jobs were not queued within 120 s"
+                              slurm(cluster, "squeue", "-h", "-o", "%i %D").splitlines())) < count:
+        assert time.monotonic() < deadline, f"{count} jobs were not queued within 120 s"
         time.sleep(0.2)
+    return by_size
+
+
+def test_requeued_job_resumes_bitwise_and_a_cancelled_one_is_reported(cluster, sizes):
+    """scontrol requeue after the step-10 checkpoint: the same weights as the uninterrupted 2-node job of the
+    first sweep, in one run dir; scancel of the other job of the sweep: reported CANCELLED, the first unaffected.
+    Beside them a 1-node job gets Slurm's warning signal (as before a time limit): it stops at an agreed step
+    with a checkpoint there, requeues itself and ends with the uninterrupted 1-node job's weights."""
+    root, warned = cluster["work"] / "requeue", cluster["work"] / "warned"
+    proc = sweep(cluster, "requeue", "cluster.nnodes=2,1", "comm=hierarchical")
+    by_size = queued(cluster, 2)
     slurm(cluster, "scancel", by_size["1"])  # at once: it must not finish first
+    signalled = sweep(cluster, "warned", "cluster.nnodes=1", "comm=hierarchical")  # on the node the cancel freed
+    hier = root / "00_cluster.nnodes:2"
+    single = warned / "00_cluster.nnodes:1"
+    wait_for(single / "checkpoints" / "step-00000010.pt")
+    slurm(cluster, "scancel", "--signal=USR2", queued(cluster, 2)["1"])
     wait_for(hier / "checkpoints" / "step-00000010.pt")
     slurm(cluster, "scontrol", "requeue", by_size["2"])
     code, out = finish(proc)
     assert code != 0 and f"Slurm job {by_size['1']} ended CANCELLED" in out, out[-4000:]
+
+    code, out = finish(signalled)
+    assert code == 0, out[-4000:]
+    stopped = json.loads((single / "stopped.json").read_text())["step"]
+    log = (single / "train.log").read_text()
+    assert f"stopped after step {stopped} for Slurm" in log and f"resumed from step {stopped} of" in log, log[-3000:]
+    assert json.loads((single / "slurm.json").read_text())["requeued"] == 1
+    mine, straight = weights(single), weights(job_dir(sizes[0], "cluster.nnodes:1"))
+    assert all(torch.equal(mine[k], straight[k]) for k in straight)
 
     outcome = json.loads((hier / "slurm.json").read_text())
     assert (outcome["state"], outcome["requeued"]) == ("COMPLETED", 1)

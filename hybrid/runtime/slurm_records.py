@@ -21,19 +21,43 @@ ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED
                     "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "STOPPED", "RESV_DEL_HOLD"})
 
 
-def job_record(job_id: str, timeout_s: float = 30.0) -> dict[str, str] | None:
-    """slurmctld's record of ``job_id`` (``JobState``, ``NodeList``, ``Restarts``, ``ExitCode``, ``Reason``...),
-    or None where slurmctld does not know the job (never, or no longer) or does not answer."""
+def _records(job_id: str, timeout_s: float) -> list[dict[str, str]]:
     try:
         done = subprocess.run(["scontrol", "show", "job", "--oneliner", job_id], capture_output=True, text=True,
                               timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired):
+        return []
+    if done.returncode != 0:
+        return []
+    records = []
+    for line in done.stdout.splitlines():
+        record: dict[str, str] = {}
+        for field in line.split():
+            key, sep, value = field.partition("=")
+            if sep and key not in record:
+                record[key] = value
+        if "JobState" in record:
+            records.append(record)
+    return records
+
+
+def job_record(job_id: str, timeout_s: float = 30.0) -> dict[str, str] | None:
+    """slurmctld's record of ``job_id`` (``JobState``, ``NodeList``, ``Restarts``, ``ExitCode``, ``Reason``...),
+    or None where slurmctld does not know the job (never, or no longer) or does not answer.
+
+    An array element (``ARRAY_INDEX``) that has not started has no record of its own: it is one of the
+    indices of its array's meta record (``ArrayTaskId=2-3``), whose state is its state (PENDING, or
+    CANCELLED when cancelled before it started)."""
+    found = _records(job_id, timeout_s)
+    if found:
+        return found[0]
+    array, sep, index = job_id.partition("_")
+    if not sep:
         return None
-    if done.returncode != 0 or not done.stdout.strip():
-        return None
-    record: dict[str, str] = {}
-    for field in done.stdout.splitlines()[0].split():
-        key, sep, value = field.partition("=")
-        if sep and key not in record:
-            record[key] = value
-    return record if "JobState" in record else None
+    records = _records(array, timeout_s)
+    for record in records:
+        if record.get("ArrayTaskId") == index:
+            return record
+    # The meta record: its task ids are a range or list ("2-3%1", "1,3"), or none left (4294967294).
+    meta = [r for r in records if not r.get("ArrayTaskId", "").isdigit() or int(r["ArrayTaskId"]) >= 2**31]
+    return meta[0] if meta else None
