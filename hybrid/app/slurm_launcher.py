@@ -14,7 +14,11 @@ concrete ``PerJobSlurmLauncher`` / ``PerJobLocalLauncher`` are defined in
 
 A job has one task per node (:mod:`hybrid.runtime.slurm`); the result handed back to
 Hydra is that of the task whose worker held global rank 0 (it returns the
-final loss, the others NaN), or of a failed task.
+final loss, the others NaN), or of a failed task. On Slurm the launcher waits by
+slurmctld's records (:mod:`hybrid.app.slurm_wait`: a cancelled job is reported, a
+requeued one waited for), asks Slurm to keep an elastic job (``cluster.min_nnodes``)
+running when a node fails (``--no-kill``), and, when Slurm warns of the time limit,
+lets the workers checkpoint before submitit requeues the job (:meth:`PerJobResources.checkpoint`).
 """
 
 from __future__ import annotations
