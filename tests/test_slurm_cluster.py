@@ -147,7 +147,7 @@ def test_requeued_job_resumes_bitwise_and_a_cancelled_one_is_reported(cluster, s
     slurm(cluster, "scancel", by_size["1"])  # at once: it must not finish first
     signalled = sweep(cluster, "warned", "cluster.nnodes=1", "comm=hierarchical")  # on the node the cancel freed
     hier = root / "00_cluster.nnodes:2"
-    single = warned / "00_cluster.nnodes:1"
+    single = wait_for(warned / "00_*")
     wait_for(single / "checkpoints" / "step-00000010.pt")
     slurm(cluster, "scancel", "--signal=USR2", queued(cluster, 2)["1"])
     wait_for(hier / "checkpoints" / "step-00000010.pt")

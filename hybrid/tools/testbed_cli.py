@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,7 +132,7 @@ def _clear(folder: Path) -> None:
         os.kill(int((folder / "munge" / "munged.pid").read_text()), signal.SIGTERM)
     except (OSError, ValueError):
         pass
-    subprocess.run(["rm", "-rf", str(folder)], check=False, timeout=60)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _down(args: argparse.Namespace) -> int:
