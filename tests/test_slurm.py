@@ -164,15 +164,13 @@ def test_sweep_of_two_layouts_one_elastic_agent_per_node_as_local_submitit_tasks
 
 
 @pytest.mark.unit
-def test_slurm_warning_stops_every_rank_after_one_agreed_step(monkeypatch, tmp_path):
+def test_slurm_warning_stops_every_rank_after_one_agreed_step(tmp_path):
     """Slurm's signal reaches one rank after its step 5 (a real signal, a real store): that rank proposes
     step 7; a rank a step behind sees the proposal before it passes it, so both stop after step 7."""
     import torch.distributed as dist
 
     from hybrid.app.state.preemption import SignalStop, mark_stopped, wait_for_stop
 
-    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
-    monkeypatch.setenv("SLURM_JOB_ID", "7")
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     previous = signal.getsignal(signal.SIGUSR2)
     try:
@@ -200,3 +198,14 @@ def test_slurm_testbed_refuses_bad_input_in_one_line(capsys, tmp_path):
     assert "\n" not in err and err.startswith("error: ")
     assert "--nodes 0: a Slurm testbed has 1..64 nodes" in err or "the Slurm testbed needs" in err
     assert not (tmp_path / "cluster").exists()  # nothing made
+
+
+@pytest.mark.unit
+def test_slurm_testbed_down_never_removes_a_folder_that_is_not_its_own(capsys, tmp_path):
+    from hybrid.tools.testbed_cli import main
+
+    (tmp_path / "precious.txt").write_text("keep me")
+    assert main(["slurm", "down", "--dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: ")
+    assert (tmp_path / "precious.txt").read_text() == "keep me"

@@ -112,12 +112,12 @@ def test_sweep_across_sizes_runs_as_slurm_jobs_on_distinct_hosts(cluster, sizes)
         assert (metrics["nnodes"], metrics["world_size"], metrics["steps"]) == (n, n, 100)
         assert metrics["param_checksums_identical"]
         # Each node on a host of its own, named by Slurm (the testbed's node namespaces).
-        assert len(set(metrics["hosts"])) == n and all(h.startswith("hybrid-n") for h in metrics["hosts"])
+        assert len(set(metrics["node_hosts"])) == n and all(h.startswith("hybrid-n") for h in metrics["node_hosts"])
         outcome = json.loads((run / "slurm.json").read_text())
         assert outcome["state"] == "COMPLETED" and outcome["requeued"] == 0
         record = slurm(cluster, "scontrol", "show", "job", "--oneliner", outcome["job_id"])
         assert "JobState=COMPLETED" in record and f"NumNodes={n} " in record, record
-        assert sorted(metrics["hosts"]) == sorted(slurm(cluster, "scontrol", "show", "hostnames",
+        assert sorted(metrics["node_hosts"]) == sorted(slurm(cluster, "scontrol", "show", "hostnames",
                                                         outcome["nodes"]).split())
     assert slurm(cluster, "squeue", "-h").strip() == ""
     report = subprocess.run([sys.executable, "-m", "hybrid.report", str(root)], capture_output=True, text=True,
@@ -198,7 +198,7 @@ def test_elastic_job_goes_on_when_a_node_is_lost(cluster, sizes):
     assert code == 0, out[-4000:]
     metrics = json.loads((run / "metrics.json").read_text())
     assert (metrics["nnodes"], metrics["steps"]) == (2, 100) and metrics["param_checksums_identical"]
-    assert sorted(metrics["hosts"]) == ["hybrid-n0", "hybrid-n1"]
+    assert sorted(metrics["node_hosts"]) == ["hybrid-n0", "hybrid-n1"]
     assert "elastic restart 1: resuming from the last checkpoint" in (run / "train.log").read_text()
 
 

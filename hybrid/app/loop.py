@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.app.components.data import BatchStream
-from hybrid.app.config import TrainConfig, TrainerConfig
+from hybrid.app.config import DILOCO, TrainConfig, TrainerConfig
 from hybrid.app.observability.metrics import Metrics
 from hybrid.app.observability.run_metrics import MetricsProcessor
 from hybrid.app.replicas.rank import Replicas, StateAccess, check_replicas, grads_finite
@@ -124,8 +124,9 @@ def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.opti
                 checkpointer.save(done, replicas, optimizer, scheduler, stream)
         processor.step_end(done)
         if stop is not None and (agreed := stop.stop_after(done)) is not None and done >= agreed and done < last:
-            with recorder.span("checkpoint"):
-                checkpointer.save(done, replicas, optimizer, scheduler, stream)
+            if not (trainer.checkpoint_every and done % trainer.checkpoint_every == 0):  # not saved just above
+                with recorder.span("checkpoint"):
+                    checkpointer.save(done, replicas, optimizer, scheduler, stream)
             if checkpointer.rank == 0:
                 mark_stopped(checkpointer.directory.parent, done)
             raise Preempted(done)
@@ -143,7 +144,10 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
     checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, run.layout, run.membership, rank, feedback, run.state)
     try:
         last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor, checkpointer,
-                          run.start_step, cfg.comm.grad_as_bucket_view, device, run.progress, SignalStop.for_slurm())
+                          run.start_step, cfg.comm.grad_as_bucket_view, device, run.progress,
+                          # DiLoCo's nodes meet only every sync_every steps: they may be further apart than the
+                          # agreement's margin, so such a job resumes from its last periodic checkpoint instead.
+                          SignalStop.for_slurm() if cfg.comm.algorithm != DILOCO else None)
     except Preempted as stopped:  # not the run's end: the requeued job continues from the checkpoint
         metrics.status(str(stopped))
         return {"preempted_after": stopped.step} if rank == 0 else None

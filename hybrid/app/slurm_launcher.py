@@ -36,7 +36,6 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from omegaconf import OmegaConf, open_dict
 
-from hybrid.app.config import TrainConfig, validate
 from hybrid.app.slurm_wait import wait_for_jobs
 from hybrid.app.state.preemption import wait_for_stop
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
@@ -46,7 +45,7 @@ __all__ = ["PerJobResources", "rank0_return"]
 
 log = logging.getLogger(__name__)
 
-STOP_WAIT_S = 60.0  # within submitit's default warning (signal_delay_s=90) before the time limit
+STOP_WAIT_S = 60.0  # within the warning's lead on the time limit (hydra.launcher.signal_delay_s, 120 s)
 
 
 def rank0_return(returns: Sequence[JobReturn]) -> JobReturn:
@@ -60,9 +59,11 @@ def rank0_return(returns: Sequence[JobReturn]) -> JobReturn:
     return returns[0]
 
 
-def _check_job(job_cfg: Any, params: dict[str, Any], overrides: Sequence[str]) -> TrainConfig:
+def _check_job(job_cfg: Any, params: dict[str, Any], overrides: Sequence[str]) -> Any:
     """The job's settings, validated, and its Slurm tasks one per node of ``cluster.nnodes``; if not, one
     line on stderr and exit 2 (as the single-run precheck does), before any job of the sweep is queued."""
+    from hybrid.app.config import validate  # here: an error in it must not hide the launcher (hydra_plugins)
+
     app = job_cfg.copy()
     with open_dict(app):
         del app["hydra"]
@@ -93,10 +94,10 @@ def _job_dir(job_cfg: Any, idx: int) -> Path:
 class PerJobResources(BaseSubmititLauncher):
     """The plugin's launcher, resources per sweep job; concrete in hydra_plugins.hybrid_slurm_launcher."""
 
-    def _job_params(self, overrides: Sequence[str], idx: int) -> tuple[dict[str, Any], Path]:
+    def _job_params(self, overrides: Sequence[str], idx: int) -> tuple[dict[str, Any], Path, bool]:
         """``hydra.launcher`` as resolved in this job's config (the sweep's base config would not see its
         overrides), after checking the job's settings: bad input fails here, in one line, before anything is
-        queued, not in every task once Slurm has started it. Also the job's directory."""
+        queued, not in every task once Slurm has started it. Also the job's directory, and whether it is elastic."""
         assert self.config is not None and self.hydra_context is not None
         job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
         params = OmegaConf.to_container(job_cfg.hydra.launcher, resolve=True)
@@ -108,7 +109,7 @@ class PerJobResources(BaseSubmititLauncher):
             # one of its nodes fails; the survivors' agents go on without it.
             params["additional_parameters"] = {**(params.get("additional_parameters") or {}), "no-kill": True}
             params["srun_args"] = [*(params.get("srun_args") or []), "--no-kill"]
-        return params, _job_dir(job_cfg, idx)
+        return params, _job_dir(job_cfg, idx), bool(settings.cluster.min_nnodes)
 
     def _executor(self, params: dict[str, Any]) -> Any:
         """A submitit executor for ``params``, mapped exactly as the plugin maps ``hydra.launcher``."""
@@ -150,8 +151,11 @@ class PerJobResources(BaseSubmititLauncher):
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
         groups: dict[str, tuple[dict[str, Any], list[int]]] = {}
         job_dirs: dict[int, Path] = {}
+        elastic: set[int] = set()
         for i, overrides in enumerate(job_overrides):
-            params, job_dirs[i] = self._job_params(overrides, initial_job_idx + i)
+            params, job_dirs[i], may_shrink = self._job_params(overrides, initial_job_idx + i)
+            if may_shrink:
+                elastic.add(i)
             groups.setdefault(json.dumps(params, sort_keys=True, default=str), (params, []))[1].append(i)
         jobs: dict[int, Any] = {}
         for params, indices in groups.values():
@@ -164,4 +168,4 @@ class PerJobResources(BaseSubmititLauncher):
             jobs.update(zip(indices, self._executor(params).map_array(self, *zip(*job_params))))
         if self._EXECUTOR != "slurm":  # submitit's local executor: its own processes, its own wait
             return [rank0_return(jobs[i].results()) for i in range(len(job_overrides))]
-        return wait_for_jobs(jobs, job_dirs, job_overrides, rank0_return)
+        return wait_for_jobs(jobs, job_dirs, job_overrides, rank0_return, elastic)

@@ -16,6 +16,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import AbstractSet as Set
 from typing import Any, Callable, Mapping, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
@@ -27,7 +28,8 @@ __all__ = ["SlurmJobEnded", "wait_for_jobs"]
 log = logging.getLogger(__name__)
 
 POLL_S = 2.0
-RESULT_GRACE_S = 5.0  # after Slurm says a job ended, how long its result files may take to appear
+RESULT_GRACE_S = 30.0  # after Slurm says a job ended, how long its result files may take to appear
+PARTIAL_GRACE_S = 5.0  # an elastic job: after that long, the results of the tasks that wrote one
 SILENT_S = 300.0  # slurmctld knows none of the unfinished jobs for this long: stop waiting
 
 
@@ -36,7 +38,13 @@ class SlurmJobEnded(RuntimeError):
 
 
 def _tasks_with_results(job: Any) -> list[Any]:
-    return [job.task(t) for t in range(job.num_tasks) if job.task(t).paths.result_pickle.exists()]
+    tasks = [job.task(t) for t in range(job.num_tasks)]
+    for task in tasks:
+        try:  # as submitit does: refreshes a network file system's cached view of the folder
+            task.paths.folder.chmod(task.paths.folder.stat().st_mode)
+        except OSError:
+            pass
+    return [task for task in tasks if task.paths.result_pickle.exists()]
 
 
 def _has_results(job: Any) -> bool:
@@ -73,9 +81,10 @@ def _ended(outcome: Mapping[str, Any], job_dir: Path) -> JobReturn:
 
 
 def wait_for_jobs(jobs: Mapping[int, Any], job_dirs: Mapping[int, Path], overrides: Sequence[Sequence[str]],
-                  speaker: Callable[[list[JobReturn]], JobReturn]) -> list[JobReturn]:
+                  speaker: Callable[[list[JobReturn]], JobReturn], elastic: Set[int] = frozenset()) -> list[JobReturn]:
     """Each submitit job's return (``speaker`` picks the one of its tasks' returns that speaks for it), in the
-    order of ``jobs``' keys, once slurmctld says every job has ended."""
+    order of ``jobs``' keys, once slurmctld says every job has ended. ``elastic``: the jobs that may finish
+    without some of their tasks (a lost node's)."""
     returns: dict[int, JobReturn] = {}
     ended_at: dict[int, float] = {}
     heard = time.monotonic()
@@ -98,7 +107,7 @@ def wait_for_jobs(jobs: Mapping[int, Any], job_dirs: Mapping[int, Path], overrid
             # may still have written one (its agent's exception, which need not even unpickle).
             completed = record is None or outcome["state"] == "COMPLETED"
             # Every task's result, or after the grace those there are (a lost node's task wrote none).
-            whole = _has_results(job) or now - ended_at[i] >= RESULT_GRACE_S
+            whole = _has_results(job) or (i in elastic and now - ended_at[i] >= PARTIAL_GRACE_S)
             read = _read_results(job, speaker) if completed and whole else None
             if read is not None:
                 returns[i] = read

@@ -16,6 +16,7 @@ summary printed here) are also kept in its ``train.log``
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -88,6 +89,10 @@ def _run(settings: TrainConfig, hydra_cfg: Any, run_dir: Path) -> dict[str, Any]
                                       settings.cluster.rdzv_endpoint)
         if not slurm_restart():  # a requeued job continues its own run (hybrid.app.setup.restore_training)
             check_run_dir(run_dir, settings.trainer.resume)
+        elif (run_dir / "metrics.json").is_file():
+            # Requeued after its run had finished (Slurm's warning came too late to stop it): the run stands.
+            say(run_dir, f"Slurm requeue {slurm_restart()}: the run in {run_dir} had finished; nothing to do")
+            return json.loads((run_dir / "metrics.json").read_text()) if node.rank == 0 else None
         prepare(settings)
         # Processes per node as in launch_job: one per device, or one with cluster.intra_mode=thread.
         result = node.run(settings.process_layout.node_sizes[0], run_worker, (settings, str(run_dir)),

@@ -121,6 +121,13 @@ def _rank_and_result(entrypoint: Any, *args: Any) -> tuple[int, int, Any]:
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        # Slurm's warning before a time limit (submitit's signal) reaches every process of the job; its default
+        # action would end a worker still setting up. The training loop installs its own handler
+        # (hybrid.app.state.preemption); until then the warning is ignored.
+        warning = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
+        if warning is not None:
+            signal.signal(warning, signal.SIG_IGN)
     name_process(f"hybrid-rank-{os.environ['RANK']}")
     result = entrypoint(*args)
     # Read after the run: recovery in place gives a worker its place in the membership that finished.

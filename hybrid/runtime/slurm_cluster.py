@@ -35,13 +35,14 @@ from typing import IO
 from hybrid.runtime import cpu_limit
 from hybrid.runtime.testbed import SERVICE_ADDRESS, LinkShape, Testbed, TestbedError, nic_address
 
-__all__ = ["LOGIN_ADDRESS", "NODE_PREFIX", "SlurmCluster", "SlurmSpec", "kill_namespace", "node_name", "slurm_conf",
+__all__ = ["CONF_HEADER", "LOGIN_ADDRESS", "NODE_PREFIX", "SlurmCluster", "SlurmSpec", "kill_namespace", "node_name", "slurm_conf",
            "slurm_missing"]
 
 LOGIN_ADDRESS = "10.213.57.253"  # the switch's own address: this machine, as the cluster's login host
 CONTROLLER = "hybrid-rdzv"  # the service namespace's name in the testbed's hosts files
 NODE_PREFIX = "hybrid-n"
 PARTITION = "hybrid"
+CONF_HEADER = "# Written by python -m hybrid.testbed slurm up; removed by slurm down."
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue")
 INSTALL = "apt-get install slurmctld slurmd slurm-client munge"
 
@@ -92,7 +93,7 @@ def slurm_conf(spec: SlurmSpec) -> str:
     """slurm.conf for ``spec``: a controller on the service address, one node per testbed namespace."""
     b = spec.base
     lines = [
-        "# Written by python -m hybrid.testbed slurm up; removed by slurm down.",
+        CONF_HEADER,
         "ClusterName=hybrid",
         f"SlurmctldHost={CONTROLLER}({SERVICE_ADDRESS})",
         "AuthType=auth/munge",

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from hybrid.runtime import testbed
-from hybrid.runtime.slurm_cluster import SlurmCluster, SlurmSpec, kill_namespace, slurm_missing
+from hybrid.runtime.slurm_cluster import CONF_HEADER, LOGIN_ADDRESS, SlurmCluster, SlurmSpec, kill_namespace, slurm_missing
 
 __all__ = ["main"]
 
@@ -93,7 +93,15 @@ def _up(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.dir.exists():
+        if not _ours(args.dir):
+            print(f"error: --dir {args.dir} exists and is no Slurm testbed's folder: give a new one", file=sys.stderr)
+            return 2
         _clear(args.dir)  # what a killed holder left
+    held = subprocess.run(["ip", "-o", "addr", "show", "to", LOGIN_ADDRESS], capture_output=True, text=True, timeout=30)
+    if held.stdout.strip():
+        print(f"error: {LOGIN_ADDRESS} is held by {held.stdout.split()[1]}: another Slurm testbed is up "
+              "(python -m hybrid.testbed slurm status --dir ...)", file=sys.stderr)
+        return 2
     cmd = [sys.executable, "-m", "hybrid.testbed", "slurm", "serve", "--dir", str(args.dir), "--nodes",
            str(args.nodes), "--cores", str(args.cores), "--link-mbit", str(args.link_mbit)]
     if args.cpu_quota is not None:
@@ -115,6 +123,15 @@ def _up(args: argparse.Namespace) -> int:
           f"{args.link_mbit:g} Mbit/s links; controller hybrid-rdzv; holder pid {holder.pid}")
     print(f"export SLURM_CONF={conf}")
     return 0
+
+
+def _ours(folder: Path) -> bool:
+    """Whether ``folder`` is a Slurm testbed's (its holder's pid file, or the slurm.conf it writes): nothing
+    else is ever removed."""
+    try:
+        return (folder / HOLDER_PID).is_file() or (folder / "slurm.conf").read_text().startswith(CONF_HEADER)
+    except OSError:
+        return False
 
 
 def _clear(folder: Path) -> None:
@@ -140,6 +157,9 @@ def _down(args: argparse.Namespace) -> int:
     if pid is None and not args.dir.exists():
         print(f"no Slurm testbed in {args.dir}")
         return 0
+    if not _ours(args.dir):
+        print(f"error: --dir {args.dir} is no Slurm testbed's folder: nothing stopped or removed", file=sys.stderr)
+        return 2
     if pid is not None:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + DOWN_TIMEOUT_S

@@ -229,8 +229,6 @@ class MetricsProcessor:
             "comm_s": {k: v[0] for k, v in self.totals.items()}, "bytes": {k: v[1] for k, v in self.totals.items()},
             "intra_mode": cfg.cluster.intra_mode, "model": cfg.model.label, "bucket_mb": cfg.comm.bucket_mb,
             "batch_size": cfg.data.batch_size, "runs_as": runs_as(self.comm, cfg.comm.algorithm),
-            # Each node's host name (socket.gethostname()), node 0 first: under Slurm, the job's nodes.
-            "hosts": [host for _, host in sorted(self.accounts.hosts.items())],
         }
 
     def _speed(self) -> dict[str, float]:
