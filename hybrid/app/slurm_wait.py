@@ -47,15 +47,11 @@ def _tasks_with_results(job: Any) -> list[Any]:
     return [task for task in tasks if task.paths.result_pickle.exists()]
 
 
-def _has_results(job: Any) -> bool:
-    return len(_tasks_with_results(job)) == job.num_tasks
-
-
-def _read_results(job: Any, speaker: Callable[[list[JobReturn]], JobReturn]) -> JobReturn | None:
-    """What the tasks that wrote a result returned, as ``speaker`` sums it up (an elastic job that lost a
+def _read_results(job: Any, tasks: list[Any], speaker: Callable[[list[JobReturn]], JobReturn]) -> JobReturn | None:
+    """What ``tasks`` (those that wrote a result) returned, as ``speaker`` sums it up (an elastic job that lost a
     node completes without that node's task's result); None if none can be read."""
     try:
-        returns = [task.results()[0] for task in _tasks_with_results(job)]
+        returns = [task.results()[0] for task in tasks]
     except Exception as exc:  # a result file that does not load, or a task's own error: the job has no result
         log.warning(f"Slurm job {job.job_id}: its result files do not load ({type(exc).__name__}: {exc})")
         return None
@@ -99,7 +95,8 @@ def wait_for_jobs(jobs: Mapping[int, Any], job_dirs: Mapping[int, Path], overrid
                 if record["JobState"] in ACTIVE:
                     ended_at.pop(i, None)
                     continue
-            elif not _has_results(job):
+            have = _tasks_with_results(job)  # one look at the folder per job and poll
+            if record is None and len(have) < job.num_tasks:
                 continue  # no record (not yet, a slow answer, or purged): SILENT_S bounds the wait
             ended_at.setdefault(i, now)
             outcome = _outcome(job, record, overrides[i])
@@ -107,8 +104,8 @@ def wait_for_jobs(jobs: Mapping[int, Any], job_dirs: Mapping[int, Path], overrid
             # may still have written one (its agent's exception, which need not even unpickle).
             completed = record is None or outcome["state"] == "COMPLETED"
             # Every task's result, or after the grace those there are (a lost node's task wrote none).
-            whole = _has_results(job) or (i in elastic and now - ended_at[i] >= PARTIAL_GRACE_S)
-            read = _read_results(job, speaker) if completed and whole else None
+            whole = len(have) == job.num_tasks or (i in elastic and now - ended_at[i] >= PARTIAL_GRACE_S)
+            read = _read_results(job, have, speaker) if completed and whole else None
             if read is not None:
                 returns[i] = read
             elif not completed or now - ended_at[i] >= RESULT_GRACE_S:

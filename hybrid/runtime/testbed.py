@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 from hybrid.runtime import cpu_limit
 from hybrid.runtime.launch import NodeNetwork
 
-__all__ = ["MAX_NICS", "LinkShape", "Testbed", "TestbedError", "cleanup_leftovers", "nic_address", "nic_names", "owned_namespaces",
+__all__ = ["MAX_NICS", "LinkShape", "Testbed", "TestbedError", "cleanup_leftovers", "nic_address", "nic_names", "owned_namespaces", "process_alive",
            "per_node_cpus", "per_node_rates", "testbed_available"]
 
 MAX_NICS = 8
@@ -151,7 +151,8 @@ def _run(*cmd: str) -> str:
     return done.stdout
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (also one of another user's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -199,14 +200,14 @@ def cleanup_leftovers() -> list[str]:
     namespaces, bridges = _ours()
     removed = []
     for name, pid in namespaces:
-        if not _alive(pid):
+        if not process_alive(pid):
             subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
             removed.append(name)
     for folder in NETNS_ETC.glob("hybrid-*") if NETNS_ETC.is_dir() else ():
-        if (m := _NS.match(folder.name)) and not _alive(int(m.group(1))):
+        if (m := _NS.match(folder.name)) and not process_alive(int(m.group(1))):
             shutil.rmtree(folder, ignore_errors=True)
     for name, pid in bridges:
-        if not _alive(pid):
+        if not process_alive(pid):
             subprocess.run(["ip", "link", "delete", name], capture_output=True, timeout=30)
             removed.append(name)
     return removed

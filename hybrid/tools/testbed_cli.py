@@ -163,21 +163,13 @@ def _down(args: argparse.Namespace) -> int:
     if pid is not None:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + DOWN_TIMEOUT_S
-        while _alive(pid) and time.monotonic() < deadline:
+        while testbed.process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if _alive(pid):
+        if testbed.process_alive(pid):
             os.kill(pid, signal.SIGKILL)
     _clear(args.dir)
     print(f"Slurm testbed in {args.dir} is down")
     return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _status(args: argparse.Namespace) -> int:
