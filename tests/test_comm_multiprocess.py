@@ -25,7 +25,7 @@ PLANS: dict[str, tuple[list[str], dict]] = {
     "1x4": (["collectives", "counters"], {}),
     "2x2": (
         ["collectives", "counters", "bad_layout", "ddp", "ddp_long", "overlap", "compression", "auto",
-         "clock", "profiler", "diloco", "timeout"],
+         "clock", "profiler", "diloco", "zero", "timeout"],
         {"ddp": PARITY, "ddp_long": {**LONG, "comms": ["flat", "hierarchical", "sharded"]},
          "timeout": {"comm_timeout_s": 4.0}},
     ),
@@ -37,8 +37,8 @@ PLANS: dict[str, tuple[list[str], dict]] = {
     ),
     # Three ranks per node: uneven shards for sharded, a 3-rank reduce for hierarchical (flat's DDP parity is
     # checked on 2x2 and 3,1; pipeline pieces and windows by the 2x2 job and the tiny-piece runs).
-    "2x3": (["collectives", "counters", "ddp", "compression"],
-            {"collectives": {"sizes": (0, 1, 7, 2**18 + 3)},
+    "2x3": (["collectives", "counters", "ddp", "compression", "zero"],
+            {"collectives": {"sizes": (0, 1, 7, 2**18 + 3)}, "zero": {"comms": ["sharded"]},
              "ddp": {**PARITY, "comms": ["ddp", "hierarchical", "sharded"]}}),
     "3x1": (["collectives", "counters"], {}),
     "3,1": (["collectives", "counters", "ddp", "auto"], {"ddp": PARITY}),
@@ -268,3 +268,28 @@ def test_diloco_outer_loop_is_data_parallel_in_its_exact_case_and_keeps_nodes_in
     assert [r["diloco"]["h8_overlap_resumed"]["digests"] for r in by_rank] == straight
     # The leaders' ring of 2 nodes sends the whole fp32 pseudo-gradient once per sync: (16*32+32+32*4+4) x 4 bytes.
     assert by_rank[0]["diloco"]["h8_hierarchical"]["bytes_per_sync"] == (16 * 32 + 32 + 32 * 4 + 4) * 4
+
+
+@pytest.mark.parametrize("layout", ["2x2", "2x3"])
+def test_a_node_sharded_optimizer_steps_like_torch_ddp_with_the_optimizer_it_wraps(layout):
+    """AdamW with two param groups (weight decay on matrices only) and clipping that bites, built by hand over a
+    DDP model as a user's program builds it, without settling DDP's buckets (they are rebuilt after the first
+    step, and the optimizer's state moves to the new slices), against torch DDP with AdamW itself: the same
+    weights, the same clipping norms, the same whole-tensor state_dict on rank 0, 1/g of the state per worker
+    (2x3: uneven shards); a NaN in one rank's batch skips that step on every rank. SGD with momentum too."""
+    results = job(layout)
+    local = int(layout.split("x")[1])
+    for r in results:
+        runs = r["zero"]
+        for name, run in runs.items():
+            assert run["matches_ddp"] == "yes", (r["rank"], name, run["matches_ddp"])
+            assert run["state_matches_ddp"] == "yes", (r["rank"], name, run["state_matches_ddp"])
+        assert runs["sgd"]["moved"] > 1e-3
+        for name in [n for n in runs if n.startswith("adamw-")]:
+            run = runs[name]
+            assert run["norms_match"] == "yes" and run["clipped"] >= 1, (name, run["clipped"])
+            assert run["skipped"] == run["ddp_skipped"] == [5]
+            # Each worker's slices' moments (plus a step count per slice): 1/g of DDP's, within 15%.
+            assert run["ddp_state_bytes"] / local <= run["state_bytes"] <= 1.15 * run["ddp_state_bytes"] / local
+    for name in results[0]["zero"]:
+        assert len({r["zero"][name].get("params") for r in results}) == 1, name  # every rank's weights alike

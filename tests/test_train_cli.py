@@ -189,6 +189,26 @@ BAD = [
     (["comm=hierarchical", "comm.sync_every=8"], "comm.sync_every=8 applies to comm=diloco only"),
     (["comm=diloco", "comm.fragments=4", "comm.overlap=true", "comm.overlap_steps=9"],
      "comm.overlap_steps=9 must be in 1..8 (comm.sync_every / comm.fragments"),
+    (["comm=ddp", "comm.shard_optimizer=true"], "comm.shard_optimizer=true is not available with comm=ddp, which is "
+                                                 "torch's DDP as it comes"),
+    (["comm=flat", "comm.shard_optimizer=true"], "comm.shard_optimizer=true is not available with comm=flat, which has "
+                                                  "no intra-node phase"),
+    (["comm=auto", "comm.shard_optimizer=true"], "is not available with comm=auto, which may choose flat"),
+    (["comm=hsdp", "comm.shard_optimizer=true"], "with comm=hsdp, which shards the optimizer already"),
+    (["comm=diloco", "comm.shard_optimizer=true"], "with comm=diloco, which steps its inner optimizer under torch's"),
+    (["comm=sharded", "comm.shard_optimizer=yes_please"], "comm.shard_optimizer: Value 'yes_please' is not a valid bool"),
+    (["comm=sharded", "comm.shard_optimizer=true", "comm.grad_as_bucket_view=false"],
+     "comm.shard_optimizer=true gathers the updated parameters through DDP's gradient buckets: it needs "
+     "comm.grad_as_bucket_view=true"),
+    (["comm=hierarchical", "comm.shard_optimizer=true", "cluster.intra_mode=thread"],
+     "cluster.intra_mode=thread runs one process per node: use cluster.intra_mode=process"),
+    (["comm=sharded", "comm.shard_optimizer=true", "cluster.recovery=in_place", "cluster.min_nnodes=1",
+      "cluster.nnodes=2"], "cluster.recovery=in_place is not available with comm.shard_optimizer=true yet"),
+    (["comm=sharded", "comm.shard_optimizer=true", "optim._target_=torch.optim.Adafactor"],
+     "optim._target_=torch.optim.Adafactor cannot be sharded by comm.shard_optimizer: its second moment is "
+     "factored"),
+    (["comm=sharded", "comm.shard_optimizer=true", "optim._target_=torch.optim.LBFGS"],
+     "cannot be sharded by comm.shard_optimizer: it takes a closure"),
     (["comm=hierarchical", "comm.inter_compression=fp8"],
      "comm.inter_compression='fp8' is not one of none, bf16, fp16 (fp8 is comm=diloco's)"),
 ]

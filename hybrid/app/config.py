@@ -154,6 +154,7 @@ REFERENCE_COMMS = ("ddp", "hsdp")
 # "diloco" is hierarchical in time: gradients averaged inside each node every step, nodes meet every
 # comm.sync_every steps (hybrid.core.diloco, hybrid.app.replicas.diloco).
 DILOCO = "diloco"
+SHARDS_OPTIMIZER = ("sharded", "hierarchical")  # the comms comm.shard_optimizer works with
 COMM_ALGORITHMS = (*CHOOSABLE, *REFERENCE_COMMS, DILOCO)
 # comm=diloco's outer optimizer when comm.outer_optim is not given: the paper's Nesterov SGD.
 # comm=diloco's own keys of the comm node (refused under another comm; the train benchmark passes them to its
@@ -203,6 +204,9 @@ class CommConfig:
     overlap: bool = False
     overlap_steps: int = 1  # with overlap: the inner steps an exchange has to land (1..sync_every/fragments)
     outer_optim: Any = field(default_factory=lambda: dict(DEFAULT_OUTER_OPTIM))
+    # ZeRO-1 inside the node (docs/memory.md): each worker of a node holds and steps 1/g of the optimizer's
+    # state, and the node gathers the updated parameters (comm sharded or hierarchical).
+    shard_optimizer: bool = False
 
     @property
     def chunk_bytes(self) -> int:
@@ -237,12 +241,28 @@ class CommConfig:
         if self.powersgd_warmup_steps < 2:
             # torch: PowerSGD's error feedback needs at least one plain all-reduce first (start_powerSGD_iter > 1).
             raise ValueError(f"comm.powersgd_warmup_steps={self.powersgd_warmup_steps!r} must be >= 2")
+        if self.shard_optimizer:
+            self._check_shard_optimizer()
         if not self.bucket_mb > 0:
             raise ValueError(f"comm.bucket_mb={self.bucket_mb} must be > 0 (MiB per DDP bucket)")
         if not self.pipeline_chunk_mb > 0:
             raise ValueError(f"comm.pipeline_chunk_mb={self.pipeline_chunk_mb} must be > 0")
         if not self.timeout_s > 0:
             raise ValueError(f"comm.timeout_s={self.timeout_s} must be > 0 seconds")
+
+    def _check_shard_optimizer(self) -> None:
+        if self.algorithm not in SHARDS_OPTIMIZER:
+            why = {"ddp": "is torch's DDP as it comes (its sharded peer, torch's ZeroRedundancyOptimizer, is a row of "
+                          "hybrid.bench train)",
+                   "flat": "has no intra-node phase to gather the updated parameters over",
+                   "auto": "may choose flat, which has no intra-node phase to gather parameters over",
+                   "hsdp": "shards the optimizer already, with the parameters (FSDP2)",
+                   DILOCO: "steps its inner optimizer under torch's own DDP inside the node"}[self.algorithm]
+            raise ValueError(f"comm.shard_optimizer=true is not available with comm={self.algorithm}, which {why}: "
+                             f"use comm={' or comm='.join(SHARDS_OPTIMIZER)}")
+        if not self.grad_as_bucket_view:
+            raise ValueError("comm.shard_optimizer=true gathers the updated parameters through DDP's gradient "
+                             "buckets: it needs comm.grad_as_bucket_view=true")
 
     def _check_diloco(self) -> None:
         if isinstance(self.sync_every, bool) or not self.sync_every >= 1:
@@ -424,9 +444,16 @@ def validate(cfg: TrainSchema) -> TrainConfig:
     _validate_cluster(cfg.cluster)
     cfg.comm.__post_init__()  # algorithm, backends, bucket size, timeout
     _validate_recovery(cfg.cluster, cfg.comm.algorithm)
+    if cfg.cluster.recovery == IN_PLACE and cfg.comm.shard_optimizer:
+        raise ValueError("cluster.recovery=in_place is not available with comm.shard_optimizer=true yet (a survivor "
+                         "holds only its shard of the optimizer in memory): use cluster.recovery=restart, which "
+                         "resumes from the last checkpoint")
     if cfg.cluster.intra_mode == "thread" and cfg.comm.torch_hook != "none":
         raise ValueError(f"comm.torch_hook={cfg.comm.torch_hook} hooks torch DDP, which cluster.intra_mode=thread "
                          "does not run: use cluster.intra_mode=process")
+    if cfg.cluster.intra_mode == "thread" and cfg.comm.shard_optimizer:
+        raise ValueError("comm.shard_optimizer=true shards the optimizer over a node's worker processes; "
+                         "cluster.intra_mode=thread runs one process per node: use cluster.intra_mode=process")
     if cfg.cluster.intra_mode == "thread" and cfg.comm.algorithm != "hierarchical":
         raise ValueError(
             f"comm={cfg.comm.algorithm} is not available with cluster.intra_mode=thread, which is hierarchical by "

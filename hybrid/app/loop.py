@@ -29,6 +29,7 @@ from hybrid.app.state.membership import RunLayout
 from hybrid.app.state.preemption import Preempted, SignalStop, mark_stopped
 from hybrid.app.targets import Component
 from hybrid.core.comm import Communicator, PhaseCounters
+from hybrid.core.node_sharded_optimizer import NodeShardedOptimizer, optimizer_state_bytes
 from hybrid.core.topology import Topology
 
 __all__ = ["Checkpointer", "train_and_report", "train_loop", "train_step"]
@@ -41,9 +42,13 @@ def train_step(replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: 
     Averaged gradients are clipped where ``trainer.grad_clip_norm`` asks; non-finite ones skip the step or
     stop the run (``trainer.nonfinite_grads``)."""
     total_loss = replicas.forward_backward(trainer.grad_accum_steps)
+    # comm.shard_optimizer: each worker holds its shard of the averaged gradients only; the norm comes from them.
+    sharded = isinstance(optimizer, NodeShardedOptimizer)
     with processor.recorder.span("optimizer"):
-        if grads_finite(replicas.module):
-            if trainer.grad_clip_norm:
+        if optimizer.grads_finite() if sharded else grads_finite(replicas.module):
+            if trainer.grad_clip_norm and sharded:
+                optimizer.clip_grad_norm_(trainer.grad_clip_norm)
+            elif trainer.grad_clip_norm:
                 # The averaged gradients are the same bits on every rank, so every rank clips them alike.
                 torch.nn.utils.clip_grad_norm_(replicas.module.parameters(), trainer.grad_clip_norm)
             optimizer.step()
@@ -153,4 +158,5 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
         return {"preempted_after": stopped.step} if rank == 0 else None
     summary = getattr(replicas, "summary", None)  # what a replica kind adds to metrics.json (comm=diloco's)
     return processor.finish(replicas.local_models(), replicas.module, last, device, run_path, rank,
-                            replicas.shard_index, summary() if summary is not None else None)
+                            replicas.shard_index, summary() if summary is not None else None,
+                            optimizer_state_bytes(run.optimizer))

@@ -98,12 +98,13 @@ def build_loss(loss: Component) -> LossFn:
 
 
 def build_training(model_cfg: Component, optim: OptimConfig, trainer: TrainerConfig, device: torch.device,
-                   state: StateAccess | None = None) -> tuple[nn.Module, Any, Any]:
+                   state: StateAccess | None = None, shard_optimizer: bool = False) -> tuple[nn.Module, Any, Any]:
     """Model, optimizer and LR schedule; the same initial weights in every process (``trainer.seed``).
-    ``state`` prepares the model before the optimizer sees its parameters (comm=hsdp shards it)."""
+    ``state`` prepares the model before the optimizer sees its parameters (comm=hsdp shards it);
+    ``shard_optimizer``: each worker of a node will step its shard of the optimizer only."""
     torch.manual_seed(trainer.seed)  # same initial weights on every rank
     model = (state or PlainState()).prepare(build_model(model_cfg, device))
-    optimizer = build_optimizer(model.parameters(), optim)
+    optimizer = build_optimizer(model.parameters(), optim, shard=shard_optimizer)
     scheduler = build_scheduler(optimizer, optim, trainer.max_steps)
     return model, optimizer, scheduler
 
@@ -229,7 +230,8 @@ def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_
     the state recovery in place continues from (:mod:`hybrid.app.state.held`)."""
     state = state or PlainState()
     dataset = load_dataset(cfg.data)
-    model, optimizer, scheduler = build_training(cfg.model, cfg.optim, cfg.trainer, device, state)
+    model, optimizer, scheduler = build_training(cfg.model, cfg.optim, cfg.trainer, device, state,
+                                                 cfg.comm.shard_optimizer)
     # The run's first line (rank 0's metrics print it): the first point where the gradients' size is known.
     metrics.status(describe_run(node_sizes, cfg.comm.algorithm, cfg.model.label, cfg.model.args, param_bytes(model),
                                 run_path, thread_mode=cfg.cluster.intra_mode == "thread"))

@@ -183,7 +183,8 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
                                      cfg.comm.inter_compression, device=device)
             if isinstance(comm, AutoCommunicator):
                 metrics.status(describe_auto_calibration(comm))
-            hook = register_comm_hook(ddp, comm)
+            # comm.shard_optimizer: the optimizer's hook averages only this worker's shard of each bucket.
+            hook = run.optimizer.attach(ddp, comm) if cfg.comm.shard_optimizer else register_comm_hook(ddp, comm)
         feedback = error_feedback.ErrorFeedback.attach(run.residual_signature, comm, run.residuals, device)
         # The first real step already sees DDP's rebuilt buckets, as every later one does: a resumed run
         # then sums each element in the order the uninterrupted run did, and residuals keyed by bucket apply.

@@ -17,7 +17,7 @@ from helpers import train_workers
 from helpers.once import once
 from helpers.readme_example import write_example
 
-__all__ = ["COMMS", "EXAMPLE", "PLANS", "ROOT", "job", "model_state", "settings"]
+__all__ = ["COMMS", "EXAMPLE", "PLANS", "ROOT", "job", "model_state", "settings", "checkpoint"]
 
 ROOT = Path(tempfile.mkdtemp(prefix="hybrid-trainer-tests-"))
 
@@ -48,8 +48,27 @@ DILOCO_H8 = ["comm=diloco", "comm.sync_every=8", "trainer.check_replicas_every=1
 # Streaming: 2 fragments, each exchange overlapped with the next two inner steps, fp8 on the wire, sharded.
 DILOCO_STREAMING = ["comm=diloco", "comm.sync_every=8", "comm.fragments=2", "comm.overlap=true", "comm.overlap_steps=2",
                     "comm.inter=sharded", "comm.inter_compression=fp8", "trainer.check_replicas_every=1"]
+# comm.shard_optimizer (ZeRO-1 inside the node): AdamW with weight decay and clipping at 1.0 against plain DDP, and
+# checkpoints across the two (stopped at step 13, resumed by the other); with SGD it steps exactly as its comm does
+# unsharded (pieces of 2 KB: several shards per bucket), with the 16-bit hop too.
+ZERO = ["comm=sharded", "comm.shard_optimizer=true"]
+ADAMW = ["optim=adamw", "optim.lr=0.001", "optim.weight_decay=0.1", "trainer.grad_clip_norm=1.0"]
+ZERO_HALF = ROOT / "2x2" / "zero-adamw-13"
+DDP_HALF = ROOT / "2x2" / "ddp-adamw-13"
+ZERO_PLANS = [
+    ("ddp-adamw", ["comm=ddp", *ADAMW]),
+    ("zero-adamw", [*ZERO, *ADAMW]),
+    ("zero-adamw-13", [*ZERO, *ADAMW, "trainer.stop_after=13"]),
+    ("ddp-adamw-13", ["comm=ddp", *ADAMW, "trainer.stop_after=13"]),
+    ("ddp-from-zero", ["comm=ddp", *ADAMW, f"trainer.resume={ZERO_HALF}"]),
+    ("zero-from-ddp", [*ZERO, *ADAMW, f"trainer.resume={DDP_HALF}"]),
+    ("zero-adamw-13", [*ZERO, *ADAMW, "trainer.resume=true"]),
+    ("zero-sgd", [*ZERO, "comm.pipeline_chunk_mb=0.002"]),
+    ("zero-hierarchical", ["comm=hierarchical", "comm.shard_optimizer=true"]),
+    ("zero+fp16", [*ZERO, "comm.inter_compression=fp16"]),
+]
 PLANS = {
-    "2x2": [(c, [f"comm={c}"]) for c in COMMS] + [
+    "2x2": [(c, [f"comm={c}"]) for c in COMMS] + ZERO_PLANS + [
         ("ddp-plain-sgd", ["comm=ddp", *PLAIN_SGD]),
         ("diloco-exact", DILOCO_EXACT),
         ("diloco-exact-sharded", [*DILOCO_EXACT, "comm.inter=sharded"]),
@@ -96,7 +115,7 @@ PLANS = {
          # One bucket: torch's PowerSGD hook aborts on gloo with more (hybrid.app.checks.check_powersgd_buckets).
          ("ddp+powersgd-hook", ["comm=ddp", "comm.torch_hook=powersgd", "comm.powersgd_warmup_steps=5",
                                 "comm.bucket_mb=25"])],
-    "4x2": [(c, [f"comm={c}"]) for c in COMMS] + [
+    "4x2": [(c, [f"comm={c}"]) for c in COMMS] + ZERO_PLANS[:2] + [
         (f"{c}-resumed", [f"comm={c}", *resume])
         for c in ("ddp", "sharded") for resume in (["trainer.stop_after=10"], ["trainer.resume=true"])
     ],
@@ -135,3 +154,7 @@ def job(layout: str) -> tuple[Path, dict]:
 
 def model_state(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def checkpoint(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)

@@ -31,6 +31,8 @@ from hybrid.core.costmodel import Level, Model
 from hybrid.core.topology import Layout, Topology, discover_topology
 from hybrid.runtime.distributed import init_distributed, shutdown_distributed
 
+from helpers.zero_workers import case_zero
+
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 SIZES = (0, 1, 7, 2**20 + 3)
 
@@ -613,6 +615,7 @@ CASES: dict[str, Callable[[Topology, CommGroups, dict], Any]] = {
     "timeout": case_timeout,
     "clock": case_clock,
     "profiler": case_profiler,
+    "zero": case_zero,
 }
 
 

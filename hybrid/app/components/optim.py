@@ -11,12 +11,19 @@ import torch
 
 from hybrid.app.config import OptimConfig
 from hybrid.app.targets import Component, ComponentError
+from hybrid.core.node_sharded_optimizer import NodeShardedOptimizer
+from hybrid.core.optimizer_shards import check_elementwise
 
 __all__ = ["build_optimizer", "build_scheduler", "check_optimizer", "lr_factor"]
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """``optim._target_`` (a ``_partial_`` optimizer class) called with the parameters."""
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, shard: bool = False,
+                    ) -> torch.optim.Optimizer:
+    """``optim._target_`` (a ``_partial_`` optimizer class) called with the parameters; ``shard``
+    (``comm.shard_optimizer``): wrapped so that each worker of a node steps its shard only (attached to the
+    DDP model once that exists: :class:`~hybrid.core.node_sharded_optimizer.NodeShardedOptimizer`)."""
+    if shard:
+        return NodeShardedOptimizer(list(params), cfg.optimizer.build())
     optimizer = cfg.optimizer.build(list(params))
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ComponentError(f"optim._target_={cfg.optimizer.target} gave a {type(optimizer).__name__}, not a "
@@ -24,17 +31,23 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> t
     return optimizer
 
 
-def check_optimizer(optimizer: Component) -> None:
+def check_optimizer(optimizer: Component, shard: bool = False) -> None:
     """What :func:`build_optimizer` would refuse, found without building one (constructing the first optimizer
     imports torch's compiler stack, over a second that every ``hybrid.train`` call would pay up front): the
     target must be an optimizer class, take these arguments, and get numbers where its defaults are numbers.
-    ``optimizer``: the ``optim`` node's, or another optimizer node's (``comm.outer_optim``)."""
+    ``optimizer``: the ``optim`` node's, or another optimizer node's (``comm.outer_optim``). ``shard``
+    (``comm.shard_optimizer``): the class must also be one whose update is elementwise."""
     factory = optimizer.build()  # a functools.partial of the class: nothing constructed yet
     cls, args, kwargs = getattr(factory, "func", factory), getattr(factory, "args", ()), getattr(factory, "keywords", {})
     key = optimizer.key
     where = f"{key}._target_={optimizer.target}"
     if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)):
         raise ComponentError(f"{where} is not a torch.optim.Optimizer class")
+    if shard:
+        try:
+            check_elementwise(cls)
+        except ValueError as exc:
+            raise ComponentError(str(exc)) from None
     signature = inspect.signature(cls)
     try:
         signature.bind([], *args, **kwargs)

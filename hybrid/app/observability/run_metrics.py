@@ -178,11 +178,11 @@ class MetricsProcessor:
 
     def finish(self, local_models: list[nn.Module], leader: nn.Module, last: int, device: torch.device,
                run_path: Path, rank: int, shard_index: int = 0, extra: dict[str, Any] | None = None,
-               ) -> dict[str, Any] | None:
+               optimizer_bytes: int = 0) -> dict[str, Any] | None:
         """Gather every process's checksums and peak memory (collective); rank 0 writes metrics.json and the
         HParams and returns the result, the others None. Checksums agree among ranks of one ``shard_index``
         (comm=hsdp: the holders of one shard; rank 0's is then of its shard). ``extra``: more entries for
-        metrics.json (rank 0's)."""
+        metrics.json (rank 0's). ``optimizer_bytes``: what this process's optimizer keeps between steps."""
         if self.timeline is not None:
             self.timeline.finish(last)
         self.accounts.exchange()  # steps since the last log step (none where the run ended on one)
@@ -195,13 +195,16 @@ class MetricsProcessor:
             sent = sum(b - a for a, b in zip(self._nic_start, end)) / len(self.step_times)
         gathered: list[Any] = [None] * dist.get_world_size()  # processes: one per rank, or per node (thread mode)
         tail = float(torch.stack(list(self._tail_losses)).mean()) if self._tail_losses else math.nan
-        dist.all_gather_object(gathered, (checksums, peak_rss_mb, shard_index, sent, tail))
+        dist.all_gather_object(gathered, (checksums, peak_rss_mb, shard_index, sent, tail, optimizer_bytes))
         if rank != 0:
             return None
+        memory = {"peak_rss_mb": [g[1] for g in gathered], "optimizer_state_bytes": [g[5] for g in gathered]}
+        self.metrics.scalars(last, {"memory/peak_rss_mb": max(memory["peak_rss_mb"]),
+                                    "memory/optimizer_state_bytes": float(max(memory["optimizer_state_bytes"]))})
         by_shard: dict[int, set[str]] = {}
         for g in gathered:
             by_shard.setdefault(g[2], set()).update(g[0])
-        result = {**self._run_facts(last), **self._speed(), "peak_rss_mb": [g[1] for g in gathered],
+        result = {**self._run_facts(last), **self._speed(), **memory,
                   "param_checksum": checksums[0], "param_checksums_identical": all(len(c) == 1 for c in by_shard.values()),
                   "param_bytes": param_bytes(leader), "device": str(device), "run_dir": str(run_path),
                   "membership": self.membership, **self.accounts.summary()}
@@ -221,7 +224,8 @@ class MetricsProcessor:
     def _run_facts(self, last: int) -> dict[str, Any]:
         cfg, topo = self.cfg, self.topology
         return {
-            "comm": cfg.comm.algorithm, "inter_compression": cfg.comm.inter_compression,
+            "comm": cfg.comm.algorithm, "shard_optimizer": cfg.comm.shard_optimizer,
+            "inter_compression": cfg.comm.inter_compression,
             "torch_hook": cfg.comm.torch_hook, "nnodes": topo.nnodes,
             "nproc_per_node": topo.node_sizes[0] if topo.is_uniform else list(topo.node_sizes),
             "world_size": topo.world_size, "steps": last, "steps_run": len(self.step_times),
@@ -243,14 +247,15 @@ class MetricsProcessor:
             # A uniform layout's nproc_per_node is a number like nnodes; a mixed one its list, as text.
             {"nnodes": result["nnodes"], "nproc_per_node": result["nproc_per_node"],
              "world_size": result["world_size"], "comm": result["comm"], "intra_mode": cfg.cluster.intra_mode,
-             "bucket_mb": cfg.comm.bucket_mb,
+             "bucket_mb": cfg.comm.bucket_mb, "shard_optimizer": cfg.comm.shard_optimizer,
              "inter_compression": cfg.comm.inter_compression, "torch_hook": cfg.comm.torch_hook,
              "runs_as": result["runs_as"],
              "model": cfg.model.label, "width": _number(cfg.model.get("width")),
              "depth": _number(cfg.model.get("depth")), "param_bytes": result["param_bytes"],
              "batch_size": cfg.data.batch_size, "optimizer": cfg.optim.optimizer.label, "lr": _number(cfg.optim.lr)},
             {"final_loss": self.loss, "samples_per_s": result["samples_per_s"], "mean_step_s": result["mean_step_s"],
-             "comm_s": sum(v[0] for v in self.totals.values())},
+             "comm_s": sum(v[0] for v in self.totals.values()), "peak_rss_mb": max(result["peak_rss_mb"]),
+             "optimizer_state_bytes": float(max(result["optimizer_state_bytes"]))},
         )
 
 

@@ -114,7 +114,7 @@ class NodeProcessCommunicator(Communicator):
         if divisor is not None and not divided:
             self._divide_(flat, divisor)
 
-    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Any) -> None:
+    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Any, gather: bool = True) -> None:
         self.finish(flat, self.start(flat, key, divisor), divisor)
 
     def _wait(self, phase: str, works: list, nbytes: int) -> None:

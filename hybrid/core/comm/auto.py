@@ -313,7 +313,7 @@ class AutoCommunicator(Communicator):
     def member_for(self, tensor: torch.Tensor) -> Communicator:
         return self.members[self.decide(tensor.nbytes, tensor.dtype).chosen]
 
-    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable) -> None:
+    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable, gather: bool = True) -> None:
         self.member_for(flat)._sum_(flat, divisor, key)
 
     def starter_for(self, tensor: torch.Tensor) -> Callable[..., "torch.futures.Future[torch.Tensor]"] | None:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.core.comm.compression import InterCompressor
-from hybrid.core.comm.counters import PhaseCounters, allreduce_bytes
+from hybrid.core.comm.counters import PhaseCounters, allreduce_bytes, rooted_bytes
 from hybrid.core.comm.groups import CommGroups
 from hybrid.core.timeline import profiler_range
 
@@ -117,6 +117,16 @@ class Communicator(ABC):
         residual is kept under that name; without a key, tensors of one size
         share one.
         """
+        return self._mean_(tensor, key, gather=True)
+
+    def reduce_scatter_mean_(self, tensor: torch.Tensor, key: Hashable = None) -> torch.Tensor:
+        """Average ``tensor`` over all ranks at least where this rank owns it (:meth:`shard_ranges`); the rest
+        of ``tensor`` is left undefined. What a node-sharded optimizer needs: each worker steps only its
+        shard, then the node gathers the updated parameters (:meth:`all_gather_shards_`). An algorithm whose
+        last phase is the node's all-gather (sharded) skips it here; the others average all of it."""
+        return self._mean_(tensor, key, gather=False)
+
+    def _mean_(self, tensor: torch.Tensor, key: Hashable, gather: bool) -> torch.Tensor:
         self._check_dtype(tensor)
         world = self.topology.world_size
         if tensor.numel() == 0 or world == 1:
@@ -125,13 +135,51 @@ class Communicator(ABC):
         if stream is not None and stream.active and not stream.on_own_thread():
             # A DDP hook's thread is issuing collectives on these groups: queue behind what it has, so
             # this call's collectives leave every rank in the same place of one order.
-            return stream.call(lambda: self.all_reduce_mean_(tensor, key))
+            return stream.call(lambda: self._mean_(tensor, key, gather))
         # Collectives need one contiguous buffer; DDP buckets already are one.
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-        self._sum_(flat, self._prescale_(flat), ("size", flat.numel()) if key is None else key)
+        self._sum_(flat, self._prescale_(flat), ("size", flat.numel()) if key is None else key, gather)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
+
+    def shard_ranges(self, numel: int, element_size: int, local_rank: int | None = None) -> list[tuple[int, int]]:
+        """The element ranges ``[start, end)`` of a flat tensor of ``numel`` elements that local rank
+        ``local_rank`` (default: this rank's) owns: of each pipeline piece (:meth:`_chunks`), its share of
+        the piece's split into one part per worker of the node (``torch.tensor_split``'s rule: the first
+        ``len % g`` parts are one longer). The same ranges on every node, so a shard lines up across nodes.
+        Empty ranges are left out."""
+        local = self.topology.local_world_size
+        j = self.topology.local_rank if local_rank is None else local_rank
+        per_chunk = max(1, self.chunk_bytes // element_size)
+        ranges = []
+        for start in range(0, numel, per_chunk):
+            length = min(per_chunk, numel - start)
+            base, extra = divmod(length, local)
+            first = start + j * base + min(j, extra)
+            end = first + base + (1 if j < extra else 0)
+            if end > first:
+                ranges.append((first, end))
+        return ranges
+
+    def all_gather_shards_(self, flat: torch.Tensor) -> torch.Tensor:
+        """Inside the node, every rank's :meth:`shard_ranges` of ``flat`` (1-D, contiguous) broadcast from the
+        rank that owns them, so every worker of the node ends with the owners' values everywhere. Counted as
+        ``intra_broadcast``. Collective over the node's workers."""
+        topo = self.topology
+        local = topo.local_world_size
+        if local == 1 or flat.numel() == 0:
+            return flat
+        stream = self.groups.stream
+        if stream is not None and stream.active and not stream.on_own_thread():
+            return stream.call(lambda: self.all_gather_shards_(flat))
+        if self.groups.intra is None:
+            raise ValueError(f"{self.name} has no intra-node group to gather shards over")
+        works = [dist.broadcast(flat[start:end], src=topo.node_ranks[j], group=self.groups.intra, async_op=True)
+                 for start, end, j in sorted((s, e, j) for j in range(local)
+                                             for s, e in self.shard_ranges(flat.numel(), flat.element_size(), j))]
+        self._wait("intra_broadcast", works, rooted_bytes(flat.nbytes, local))
+        return flat
 
     def starter_for(self, tensor: torch.Tensor) -> Callable[..., "torch.futures.Future[torch.Tensor]"] | None:
         """A ``start_mean_(tensor, on_done=None) -> Future`` that averages ``tensor`` without a thread of
@@ -140,8 +188,11 @@ class Communicator(ABC):
         return None
 
     @abstractmethod
-    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable) -> None:
+    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable, gather: bool = True) -> None:
         """Sum ``flat`` (1-D, contiguous, non-empty) over all ranks in place.
+
+        ``gather=False``: only this rank's :meth:`shard_ranges` need the result (an algorithm may then skip
+        what only carries the other shards).
 
         If ``divisor`` is given, the result must also be divided by it, on the
         rank(s) that own it before it is sent back out, so each element is

@@ -43,7 +43,7 @@ import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hybrid.core.comm.base import SUPPORTED_DTYPES, Communicator
 from hybrid.core.timeline import bucket_scope
 
-__all__ = ["BucketTrace", "CommHookState", "register_comm_hook", "settle_buckets"]
+__all__ = ["BucketObserver", "BucketTrace", "CommHookState", "register_comm_hook", "settle_buckets"]
 
 
 @dataclass
@@ -67,12 +67,23 @@ class BucketTrace:
     finished: float = 0.0
 
 
+class BucketObserver(Protocol):
+    """Sees each gradient bucket DDP hands over (a node-sharded optimizer learns their layout from them)."""
+
+    def bucket_ready(self, bucket: dist.GradBucket) -> None: ...
+
+
 class CommHookState:
     """One DDP model's side of the hook: its traces and bucket count; the communication goes through the
     communicator's groups' shared ordered stream, which this state holds until :meth:`close`."""
 
-    def __init__(self, communicator: Communicator, trace_len: int = 4096) -> None:
+    def __init__(self, communicator: Communicator, trace_len: int = 4096,
+                 observer: BucketObserver | None = None) -> None:
         self.communicator = communicator
+        # A node-sharded optimizer (hybrid.core.node_sharded_optimizer) learns DDP's buckets here, and needs
+        # only its own shard of each averaged: the node then gathers updated parameters, not gradients.
+        self.observer = observer
+        self._average = communicator.reduce_scatter_mean_ if observer is not None else communicator.all_reduce_mean_
         self.traces: deque[BucketTrace] = deque(maxlen=trace_len)
         self.buckets_per_step: int = 0  # buckets in the last completed backward
         self._buckets_this_step = 0
@@ -85,6 +96,12 @@ class CommHookState:
         communicator.hooks_registered += 1
         self._stream = communicator.groups.ordered_stream()
         self._stream.attach()
+
+    def submit_bucket(self, bucket: dist.GradBucket) -> "torch.futures.Future[torch.Tensor]":
+        """DDP's bucket: shown to the observer (outside :func:`settle_buckets`), then :meth:`submit`."""
+        if self.observer is not None and not self._passthrough:
+            self.observer.bucket_ready(bucket)
+        return self.submit(bucket.buffer(), index=bucket.index(), is_last=bucket.is_last())
 
     def submit(
         self, tensor: torch.Tensor, index: int = 0, is_last: bool = False
@@ -131,7 +148,7 @@ class CommHookState:
 
         def average() -> torch.Tensor:
             with bucket_scope(index, tensor.nbytes):  # on the stream's thread: its phases are this bucket's
-                return self.communicator.all_reduce_mean_(tensor, key=key)
+                return self._average(tensor, key=key)
 
         return self._stream.submit(average, future,
                                    event=event, device=tensor.device, on_start=started,
@@ -158,10 +175,11 @@ class CommHookState:
 def _hybrid_comm_hook(
     state: CommHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    return state.submit(bucket.buffer(), index=bucket.index(), is_last=bucket.is_last())
+    return state.submit_bucket(bucket)
 
 
-def register_comm_hook(model: DistributedDataParallel, communicator: Communicator) -> CommHookState:
+def register_comm_hook(model: DistributedDataParallel, communicator: Communicator,
+                       observer: BucketObserver | None = None) -> CommHookState:
     """Make ``model`` average its gradient buckets with ``communicator``.
 
     Any number of DDP models may share one communicator (or communicators
@@ -169,11 +187,13 @@ def register_comm_hook(model: DistributedDataParallel, communicator: Communicato
     hands them over, one stream for all. Program shapes the hook cannot serve
     are refused here with a ``ValueError``, rather than failing in backward.
     Returns the hook's state; call its ``close()`` when training ends.
+    ``observer``: sees every bucket of a real backward, and each bucket is then
+    averaged only where this rank owns it (:meth:`Communicator.reduce_scatter_mean_`).
     """
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"register_comm_hook needs a DistributedDataParallel model, got {type(model).__name__}")
     _check_supported(model, communicator)
-    state = CommHookState(communicator)
+    state = CommHookState(communicator, observer=observer)
     try:
         model.register_comm_hook(state, _hybrid_comm_hook)
     except BaseException:  # e.g. a hook already registered: let go of the stream and the model number

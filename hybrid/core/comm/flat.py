@@ -78,7 +78,7 @@ class FlatCommunicator(Communicator):
                 self.transport_avg = False
         return dist.all_reduce(piece, group=group, async_op=async_op), False
 
-    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable = None) -> None:
+    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable = None, gather: bool = True) -> None:
         world = self.topology.world_size
         pieces = _pieces(flat, divisor)
         if len(pieces) == 1:

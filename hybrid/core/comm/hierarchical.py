@@ -34,7 +34,7 @@ class HierarchicalCommunicator(Communicator):
     group_kinds = ("intra", "leaders")
     compresses_inter = True
 
-    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable) -> None:
+    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable, gather: bool = True) -> None:
         topo, groups = self.topology, self.groups
         local, nnodes = topo.local_world_size, topo.nnodes
         chunks = self._chunks(flat)

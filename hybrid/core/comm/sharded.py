@@ -72,7 +72,7 @@ class ShardedCommunicator(Communicator):
         return [dist.broadcast(s, src=members[j], group=self.groups.intra, async_op=True)
                 for j, s in enumerate(shards) if s.numel()]
 
-    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable) -> None:
+    def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable, gather: bool = True) -> None:
         topo, groups = self.topology, self.groups
         local, nnodes, me, window = topo.local_world_size, topo.nnodes, topo.local_rank, PIPELINE_WINDOW
         # Each pipeline piece split into one shard per local rank; only non-empty shards travel.
@@ -95,12 +95,13 @@ class ShardedCommunicator(Communicator):
                 allreduces[i] = self._start_inter(mine, groups.cross, divisor, (key, i))
 
         def finish(i: int) -> list:
-            """My shard of piece i is summed over all nodes: divide it, all-gather the piece."""
+            """My shard of piece i is summed over all nodes: divide it, all-gather the piece (unless a
+            node-sharded optimizer gathers parameters instead: ``gather=False``)."""
             mine = pieces[i][me]
             divided = i in allreduces and self._finish_inter(mine, allreduces.pop(i), nnodes)
             if divisor is not None and mine.numel() and not divided:
                 self._divide_(mine, divisor)
-            return self.start_gather(pieces[i]) if local > 1 else []
+            return self.start_gather(pieces[i]) if local > 1 and gather else []
 
         self._pipeline(n, reduce=reduce, reduced=lambda i: self.add_up(pieces[i], inboxes[i % window]),
                        cross=cross, finish=finish,

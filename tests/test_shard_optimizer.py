@@ -1,0 +1,82 @@
+"""comm.shard_optimizer (ZeRO-1 inside the node) through the trainer: against plain DDP, against its own comm
+unsharded, and across checkpoints; the runs live in the trainer's shared job (tests/helpers/trainer_job.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.trainer_job import checkpoint, job
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _close_states(got: dict, ref: dict) -> None:
+    assert got["param_groups"] == ref["param_groups"]
+    assert got["state"].keys() == ref["state"].keys()
+    for i, entry in ref["state"].items():
+        assert got["state"][i].keys() == entry.keys(), i
+        for key, tensor in entry.items():
+            torch.testing.assert_close(got["state"][i][key], tensor, rtol=1e-5, atol=1e-6, msg=f"param {i} {key}")
+
+
+def _close_models(got: dict, ref: dict) -> None:
+    for key, tensor in ref.items():
+        torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("layout", ["2x2", "4x2"])
+def test_adamw_with_weight_decay_and_clipping_ends_where_plain_ddp_does_on_half_the_state(layout):
+    """20 steps of AdamW (weight decay 0.1, clipping at 1.0): weights and the checkpoint's Adam moments within
+    assert_close of comm=ddp's, in torch's own state_dict form; every replica identical; each worker holds
+    half of DDP's optimizer state (2 workers per node), within 2%."""
+    root, results = job(layout)
+    zero, ddp = checkpoint(root / "zero-adamw"), checkpoint(root / "ddp-adamw")
+    _close_models(zero["model"], ddp["model"])
+    _close_states(zero["optimizer"], ddp["optimizer"])
+    assert {"exp_avg", "exp_avg_sq", "step"} == set(zero["optimizer"]["state"][0])
+    metrics, reference = results["zero-adamw"], results["ddp-adamw"]
+    assert metrics["param_checksums_identical"] and metrics["shard_optimizer"] and not reference["shard_optimizer"]
+    full = reference["optimizer_state_bytes"]
+    assert len(set(full)) == 1 and len(metrics["optimizer_state_bytes"]) == metrics["world_size"]
+    for held in metrics["optimizer_state_bytes"]:
+        assert abs(held - full[0] / 2) <= 0.02 * full[0] / 2, (held, full[0])
+
+
+def test_with_sgd_it_steps_exactly_as_its_comm_does_unsharded():
+    """SGD with momentum is elementwise and takes no norm: stepping each worker's slices and gathering the
+    parameters gives the very bits of stepping whole tensors after a gradient all-gather (sharded with pieces
+    cut 8x finer, hierarchical, and the fp16 hop with its error feedback), and plain DDP's to rounding."""
+    root, results = job("2x2")
+    for zero, plain in (("zero-sgd", "sharded"), ("zero-hierarchical", "hierarchical"), ("zero+fp16", "sharded+fp16")):
+        got, ref = checkpoint(root / zero), checkpoint(root / plain)
+        for key, tensor in ref["model"].items():
+            assert torch.equal(got["model"][key], tensor), (zero, key)
+        for i, entry in ref["optimizer"]["state"].items():
+            assert torch.equal(got["optimizer"]["state"][i]["momentum_buffer"], entry["momentum_buffer"]), (zero, i)
+        assert results[zero]["param_checksums_identical"], zero
+    _close_models(checkpoint(root / "zero-sgd")["model"], checkpoint(root / "ddp")["model"])
+    assert results["zero+fp16"]["bytes"]["inter_allreduce"] < 0.6 * results["zero-sgd"]["bytes"]["inter_allreduce"]
+
+
+def test_stopped_at_step_13_and_resumed_it_ends_on_the_straight_runs_bits():
+    root, results = job("2x2")
+    straight, resumed = checkpoint(root / "zero-adamw"), checkpoint(root / "zero-adamw-13")
+    assert straight["step"] == resumed["step"] == 20 and results["zero-adamw-13"]["steps_run"] == 7
+    for key, tensor in straight["model"].items():
+        assert torch.equal(resumed["model"][key], tensor), key
+    for i, entry in straight["optimizer"]["state"].items():
+        for key, tensor in entry.items():
+            assert torch.equal(resumed["optimizer"]["state"][i][key], tensor), (i, key)
+
+
+def test_a_ddp_checkpoint_resumes_sharded_and_a_sharded_one_resumes_under_ddp():
+    """Both write torch's optimizer state_dict of whole tensors: each continues the other's step-13 checkpoint
+    and ends where its own straight run ends, to rounding."""
+    root, results = job("2x2")
+    for resumed, straight in (("zero-from-ddp", "zero-adamw"), ("ddp-from-zero", "ddp-adamw")):
+        got, ref = checkpoint(root / resumed), checkpoint(root / straight)
+        assert got["step"] == 20 and results[resumed]["steps_run"] == 7, resumed
+        _close_models(got["model"], ref["model"])
+        _close_states(got["optimizer"], ref["optimizer"])
+        assert results[resumed]["param_checksums_identical"], resumed
