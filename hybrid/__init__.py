@@ -14,12 +14,13 @@ enforces it):
 ``python -m hybrid.train|bench|report|costmodel`` are thin entry points onto these.
 
 For any DDP program, whoever launched it: ``hybrid.attach(ddp_model, algorithm="hierarchical")``
-(:func:`hybrid.core.attach.attach`; ``hybrid.connect`` builds the communicator before the model exists).
+(:func:`hybrid.core.attach.attach`; ``hybrid.connect`` builds the communicator before the model exists;
+``hybrid.connect("sharded").shard_optimizer(ddp_model, optimizer)`` shards the optimizer inside each node).
 """
 
 from typing import Any
 
-__all__ = ["attach", "connect"]
+__all__ = ["NodeShardedOptimizer", "attach", "connect"]
 
 
 def __getattr__(name: str) -> Any:

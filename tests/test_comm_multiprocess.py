@@ -289,6 +289,7 @@ def test_a_node_sharded_optimizer_steps_like_torch_ddp_with_the_optimizer_it_wra
             run = runs[name]
             assert run["norms_match"] == "yes" and run["clipped"] >= 1, (name, run["clipped"])
             assert run["skipped"] == run["ddp_skipped"] == [5]
+            assert run["relayouts"] == 1  # DDP's one rebuild of its buckets, after the first step
             # Each worker's slices' moments (plus a step count per slice): 1/g of DDP's, within 15%.
             assert run["ddp_state_bytes"] / local <= run["state_bytes"] <= 1.15 * run["ddp_state_bytes"] / local
     for name in results[0]["zero"]:

@@ -38,17 +38,25 @@ FIRST = ROOT / "2x2" / "first"
 # node loaded.
 DILOCO = ["comm=diloco", "comm.sync_every=4", f"+model.record_dir={ROOT / 'diloco-records'}"]
 DILOCO_FIRST = ROOT / "2x2" / "diloco-first"
+# comm.shard_optimizer, stopped at step 10 on 2x2 (2 shards per node): resumed on 1x2 with the same global batch (the
+# shards re-cut for a world of 2), and on 3x1 under hierarchical (one worker per node: the whole optimizer each).
+ZERO = ["comm=sharded", "comm.shard_optimizer=true", "optim=adamw", "optim.lr=0.001", "trainer.max_steps=20",
+        f"+model.record_dir={ROOT / 'zero-records'}"]
+ZERO_FIRST = ROOT / "2x2" / "zero-first"
 PLANS = {
     "2x2": [("straight", ["trainer.max_steps=20", f"+model.record_dir={ROOT / 'straight-records'}"]),
             ("first", ["trainer.max_steps=20", "trainer.stop_after=10", f"+model.record_dir={RECORDS}"]),
-            ("diloco-first", [*DILOCO, "trainer.max_steps=20", "trainer.stop_after=10"])],
+            ("diloco-first", [*DILOCO, "trainer.max_steps=20", "trainer.stop_after=10"]),
+            ("zero-straight", ZERO), ("zero-first", [*ZERO, "trainer.stop_after=10"])],
     "1x2": [("accum", ["trainer.max_steps=20", "trainer.grad_accum_steps=2", f"+model.record_dir={RECORDS}",
                        f"trainer.resume={FIRST}"]),
-            ("diloco-one", [*DILOCO, "trainer.max_steps=20", f"trainer.resume={DILOCO_FIRST}"])],
+            ("diloco-one", [*DILOCO, "trainer.max_steps=20", f"trainer.resume={DILOCO_FIRST}"]),
+            ("zero-accum", [*ZERO, "trainer.grad_accum_steps=2", f"trainer.resume={ZERO_FIRST}"])],
     "3x1": [("three", ["trainer.max_steps=18", "trainer.elastic_lr=scale", f"+model.record_dir={RECORDS}",
                        f"trainer.resume={FIRST}"]),
             ("diloco-three-0", [*DILOCO, "trainer.max_steps=10", f"trainer.resume={DILOCO_FIRST}"]),
-            ("diloco-three", [*DILOCO, "trainer.max_steps=20", f"trainer.resume={DILOCO_FIRST}"])],
+            ("diloco-three", [*DILOCO, "trainer.max_steps=20", f"trainer.resume={DILOCO_FIRST}"]),
+            ("zero-three", [*ZERO, "comm=hierarchical", f"trainer.resume={ZERO_FIRST}"])],
 }
 
 
@@ -116,6 +124,26 @@ def test_the_same_global_batch_on_another_layout_continues_like_the_straight_run
         {"step": 0, "nnodes": 2, "world_size": 4, "global_batch": 32, "why": "start"},
         {"step": 10, "nnodes": 1, "world_size": 2, "global_batch": 32, "why": f"resumed from {FIRST}"}]
     assert resumed["scheduler"]["base_lrs"] == straight["scheduler"]["base_lrs"]  # same global batch: lr kept
+
+
+def test_a_sharded_optimizers_checkpoint_is_cut_again_for_the_layout_that_resumes_it():
+    """comm.shard_optimizer writes whole tensors, so a 2x2 checkpoint (two shards per node) resumes on 1x2 with the
+    same global batch and ends where the straight 2x2 run ends (rtol 1e-5), and on 3x1 under hierarchical (one
+    shard per node: every worker the whole optimizer) with identical replicas and whole-tensor Adam state."""
+    assert job("1x2")["zero-accum"]["param_checksums_identical"]
+    straight, accum = checkpoint(ROOT / "2x2" / "zero-straight"), checkpoint(ROOT / "1x2" / "zero-accum")
+    for key, tensor in straight["model"].items():
+        torch.testing.assert_close(accum["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    for i, entry in straight["optimizer"]["state"].items():
+        for key, tensor in entry.items():
+            torch.testing.assert_close(accum["optimizer"]["state"][i][key], tensor, rtol=1e-5, atol=1e-6)
+    three = job("3x1")["zero-three"]
+    assert three["param_checksums_identical"] and three["steps_run"] == 10 and three["shard_optimizer"]
+    assert three["optimizer_state_bytes"] == [three["optimizer_state_bytes"][0]] * 3  # g=1: all of it, each
+    saved = checkpoint(ROOT / "3x1" / "zero-three")
+    params = dict(zip(saved["optimizer"]["param_groups"][0]["params"], saved["model"].values()))
+    for i, entry in saved["optimizer"]["state"].items():
+        assert entry["exp_avg"].shape == params[i].shape and torch.isfinite(entry["exp_avg_sq"]).all(), i
 
 
 def test_elastic_lr_scale_follows_the_global_batch_and_the_history_says_why():

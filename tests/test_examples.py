@@ -17,7 +17,9 @@ from helpers import background
 from helpers.documented import EXAMPLES, REPO, examples_on
 
 PAGES = {"ddp_torchrun.py": "README.md", "lightning_ddp.py": "docs/integrations.md",
-         "hf_trainer.py": "docs/integrations.md", "accelerate_loop.py": "docs/integrations.md"}
+         "hf_trainer.py": "docs/integrations.md", "accelerate_loop.py": "docs/integrations.md",
+         "zero_torchrun.py": "docs/memory.md"}
+SHARDED = {"zero_torchrun.py"}  # comm=sharded: every worker's shard crosses nodes, not only the leaders
 
 
 @pytest.mark.unit
@@ -113,8 +115,15 @@ def test_the_example_runs_as_documented_and_only_node_leaders_cross_nodes(name):
         print(f"{name}: a rank aborted at interpreter exit after finishing (pytorch/pytorch#190489)")
     else:
         assert "Traceback" not in ours and "Error" not in ours, ours[-4000:]
-    assert [calls[r]["inter_allreduce"] > 0 for r in range(4)] == [True, False, True, False]
+    crossing = [True] * 4 if name in SHARDED else [True, False, True, False]
+    assert [calls[r]["inter_allreduce"] > 0 for r in range(4)] == crossing
     assert len({calls[r]["intra_reduce"] for r in range(4)}) == 1 and calls[0]["intra_reduce"] > 0
     if name == "ddp_torchrun.py":  # it prints the replicas' weights and the loss averaged over ranks
         assert len(set(re.findall(r"mean loss (\S+), weights (\S+),", output))) == 1, output[-2000:]
+    if name == "zero_torchrun.py":  # every replica's weights, each worker's share of AdamW, rank 0's whole state
+        assert len(set(re.findall(r"weights (\S+),", output))) == 1, output[-2000:]
+        shares = [(int(a), int(b)) for a, b in re.findall(r"AdamW state (\d+) of (\d+) bytes", output)]
+        assert len(shares) == 4 and all(abs(held - full / 2) <= 0.02 * full for held, full in shares), shares
+        tensors = {int(r): int(n) for r, n in re.findall(r"rank (\d+)\b[^\n]*?state_dict (\d+) tensors", output)}
+        assert tensors[0] == 4, tensors  # 2 weights, 2 biases, whole, on rank 0
     assert after == before  # the example wrote nothing into the repository

@@ -37,6 +37,8 @@ def test_adamw_with_weight_decay_and_clipping_ends_where_plain_ddp_does_on_half_
     assert {"exp_avg", "exp_avg_sq", "step"} == set(zero["optimizer"]["state"][0])
     metrics, reference = results["zero-adamw"], results["ddp-adamw"]
     assert metrics["param_checksums_identical"] and metrics["shard_optimizer"] and not reference["shard_optimizer"]
+    assert metrics["optimizer_relayouts"] == 0  # the trainer settles DDP's buckets before the first step
+    assert metrics["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)  # from the shards: DDP's norm
     full = reference["optimizer_state_bytes"]
     assert len(set(full)) == 1 and len(metrics["optimizer_state_bytes"]) == metrics["world_size"]
     for held in metrics["optimizer_state_bytes"]:

@@ -151,7 +151,7 @@ def check_components(cfg: TrainConfig) -> None:
         raise ComponentError(f"model._target_={cfg.model.target} has no trainable parameters: nothing to train")
     check_powersgd_buckets(cfg, param_bytes(model))
     loss_fn = build_loss(cfg.loss)
-    check_optimizer(cfg.optim.optimizer, shard=cfg.comm.shard_optimizer)
+    check_optimizer(cfg.optim.optimizer, shard=cfg.comm.shard_optimizer and cfg.comm.algorithm != "ddp")
     if cfg.comm.algorithm == DILOCO:
         check_optimizer(outer_optimizer(cfg.comm))
     dataset = load_dataset(cfg.data)  # last: a built-in one may generate its data into data.root

@@ -154,7 +154,9 @@ REFERENCE_COMMS = ("ddp", "hsdp")
 # "diloco" is hierarchical in time: gradients averaged inside each node every step, nodes meet every
 # comm.sync_every steps (hybrid.core.diloco, hybrid.app.replicas.diloco).
 DILOCO = "diloco"
-SHARDS_OPTIMIZER = ("sharded", "hierarchical")  # the comms comm.shard_optimizer works with
+# The comms comm.shard_optimizer works with: inside each node (sharded, hierarchical), or, comm=ddp, torch's own
+# ZeroRedundancyOptimizer over every rank of the job (the reference: its parameter exchange crosses nodes).
+SHARDS_OPTIMIZER = ("sharded", "hierarchical", "ddp")
 COMM_ALGORITHMS = (*CHOOSABLE, *REFERENCE_COMMS, DILOCO)
 # comm=diloco's outer optimizer when comm.outer_optim is not given: the paper's Nesterov SGD.
 # comm=diloco's own keys of the comm node (refused under another comm; the train benchmark passes them to its
@@ -205,7 +207,8 @@ class CommConfig:
     overlap_steps: int = 1  # with overlap: the inner steps an exchange has to land (1..sync_every/fragments)
     outer_optim: Any = field(default_factory=lambda: dict(DEFAULT_OUTER_OPTIM))
     # ZeRO-1 inside the node (docs/memory.md): each worker of a node holds and steps 1/g of the optimizer's
-    # state, and the node gathers the updated parameters (comm sharded or hierarchical).
+    # state, and the node gathers the updated parameters (comm sharded or hierarchical); with comm=ddp, torch's
+    # ZeroRedundancyOptimizer over all ranks of the job.
     shard_optimizer: bool = False
 
     @property
@@ -252,14 +255,14 @@ class CommConfig:
 
     def _check_shard_optimizer(self) -> None:
         if self.algorithm not in SHARDS_OPTIMIZER:
-            why = {"ddp": "is torch's DDP as it comes (its sharded peer, torch's ZeroRedundancyOptimizer, is a row of "
-                          "hybrid.bench train)",
-                   "flat": "has no intra-node phase to gather the updated parameters over",
+            why = {"flat": "has no intra-node phase to gather the updated parameters over",
                    "auto": "may choose flat, which has no intra-node phase to gather parameters over",
                    "hsdp": "shards the optimizer already, with the parameters (FSDP2)",
                    DILOCO: "steps its inner optimizer under torch's own DDP inside the node"}[self.algorithm]
             raise ValueError(f"comm.shard_optimizer=true is not available with comm={self.algorithm}, which {why}: "
                              f"use comm={' or comm='.join(SHARDS_OPTIMIZER)}")
+        if self.algorithm == "ddp":
+            return  # torch's ZeroRedundancyOptimizer: it shards whole parameters over the job's ranks
         if not self.grad_as_bucket_view:
             raise ValueError("comm.shard_optimizer=true gathers the updated parameters through DDP's gradient "
                              "buckets: it needs comm.grad_as_bucket_view=true")

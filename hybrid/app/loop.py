@@ -47,10 +47,11 @@ def train_step(replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: 
     with processor.recorder.span("optimizer"):
         if optimizer.grads_finite() if sharded else grads_finite(replicas.module):
             if trainer.grad_clip_norm and sharded:
-                optimizer.clip_grad_norm_(trainer.grad_clip_norm)
+                processor.grad_norm = optimizer.clip_grad_norm_(trainer.grad_clip_norm)
             elif trainer.grad_clip_norm:
                 # The averaged gradients are the same bits on every rank, so every rank clips them alike.
-                torch.nn.utils.clip_grad_norm_(replicas.module.parameters(), trainer.grad_clip_norm)
+                processor.grad_norm = torch.nn.utils.clip_grad_norm_(replicas.module.parameters(),
+                                                                     trainer.grad_clip_norm)
             optimizer.step()
         elif trainer.nonfinite_grads == "skip":
             processor.step_skipped(step + 1)
@@ -84,9 +85,17 @@ class Checkpointer:
     def save(self, step: int, replicas: Replicas, optimizer: Any, scheduler: Any, stream: BatchStream) -> None:
         """Collective (the residuals' gather, a sharded model's state); only rank 0 writes."""
         residuals = self.feedback.gather() if self.feedback is not None else None
-        model_state, optimizer_state = self.state.collect(replicas.module, optimizer)
+        deferred = None
+        if isinstance(optimizer, NodeShardedOptimizer):
+            # Its whole state is gathered bucket by bucket into the file: rank 0 never holds all of it.
+            optimizer_state, deferred = optimizer.deferred_state_dict()
+            model_state = replicas.module.state_dict()
+        else:
+            model_state, optimizer_state = self.state.collect(replicas.module, optimizer)
         extra = self.state.extra()
         if self.rank != 0:
+            if deferred is not None:
+                deferred.fill(None)  # rank 0's node: each worker sends its slices as rank 0 writes
             return
         if self.feedback is not None and residuals is None:  # the writer must be the default group's rank 0
             raise RuntimeError(f"rank {self.rank} writes checkpoints but is rank {dist.get_rank()} of the "
@@ -97,7 +106,7 @@ class Checkpointer:
             "model": model_state, "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict(), "step": step, "data": stream.state(),
             "rng": torch.get_rng_state(), "membership": self.membership, **self.meta, **extra,
-        }, step, keep=self.keep, meta=self.meta)
+        }, step, keep=self.keep, meta=self.meta, deferred=deferred)
 
 
 def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -157,6 +166,8 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
         metrics.status(str(stopped))
         return {"preempted_after": stopped.step} if rank == 0 else None
     summary = getattr(replicas, "summary", None)  # what a replica kind adds to metrics.json (comm=diloco's)
+    extra = summary() if summary is not None else {}
+    if isinstance(run.optimizer, NodeShardedOptimizer):  # 0: the shard followed DDP's settled buckets throughout
+        extra["optimizer_relayouts"] = run.optimizer.relayouts
     return processor.finish(replicas.local_models(), replicas.module, last, device, run_path, rank,
-                            replicas.shard_index, summary() if summary is not None else None,
-                            optimizer_state_bytes(run.optimizer))
+                            replicas.shard_index, extra, optimizer_state_bytes(run.optimizer))

@@ -21,7 +21,7 @@ from hybrid.app.components.data import BatchStream
 from hybrid.app.components.losses import LossFn, move_to
 from hybrid.app.components.models import param_bytes
 from hybrid.app.components.optim import build_optimizer, build_scheduler
-from hybrid.app.config import COMM_ALGORITHMS, DataConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
+from hybrid.app.config import COMM_ALGORITHMS, CommConfig, DataConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
 from hybrid.app.observability.metrics import Metrics
 from hybrid.app.observability.run_log import describe_run
 from hybrid.app.replicas.diloco import CHECKPOINT_KEY as DILOCO_KEY
@@ -34,7 +34,7 @@ from hybrid.app.targets import Component, ComponentError, current_target, first_
 from hybrid.runtime.distributed import broadcast_from_rank0
 from hybrid.runtime.slurm import slurm_restart
 
-__all__ = ["Training", "build_loss", "build_model", "build_training", "device_for", "load_dataset", "restore_training",
+__all__ = ["Training", "build_loss", "build_model", "build_training", "device_for", "load_dataset", "optimizer_sharding", "restore_training",
            "sample_batch", "set_up"]
 
 
@@ -98,15 +98,23 @@ def build_loss(loss: Component) -> LossFn:
 
 
 def build_training(model_cfg: Component, optim: OptimConfig, trainer: TrainerConfig, device: torch.device,
-                   state: StateAccess | None = None, shard_optimizer: bool = False) -> tuple[nn.Module, Any, Any]:
+                   state: StateAccess | None = None, shard_optimizer: str = "none") -> tuple[nn.Module, Any, Any]:
     """Model, optimizer and LR schedule; the same initial weights in every process (``trainer.seed``).
     ``state`` prepares the model before the optimizer sees its parameters (comm=hsdp shards it);
-    ``shard_optimizer``: each worker of a node will step its shard of the optimizer only."""
+    ``shard_optimizer``: how the optimizer is sharded (:func:`hybrid.app.components.optim.build_optimizer`)."""
     torch.manual_seed(trainer.seed)  # same initial weights on every rank
     model = (state or PlainState()).prepare(build_model(model_cfg, device))
     optimizer = build_optimizer(model.parameters(), optim, shard=shard_optimizer)
     scheduler = build_scheduler(optimizer, optim, trainer.max_steps)
     return model, optimizer, scheduler
+
+
+def optimizer_sharding(comm: CommConfig) -> str:
+    """``comm.shard_optimizer``: inside each node (our communicators), over the job (comm=ddp: torch's
+    ZeroRedundancyOptimizer), or none."""
+    if not comm.shard_optimizer:
+        return "none"
+    return "job" if comm.algorithm == "ddp" else "node"
 
 
 def _check_resumable(state: dict[str, Any], model: Component, where: Path, kind: str) -> None:
@@ -231,7 +239,7 @@ def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_
     state = state or PlainState()
     dataset = load_dataset(cfg.data)
     model, optimizer, scheduler = build_training(cfg.model, cfg.optim, cfg.trainer, device, state,
-                                                 cfg.comm.shard_optimizer)
+                                                 optimizer_sharding(cfg.comm))
     # The run's first line (rank 0's metrics print it): the first point where the gradients' size is known.
     metrics.status(describe_run(node_sizes, cfg.comm.algorithm, cfg.model.label, cfg.model.args, param_bytes(model),
                                 run_path, thread_mode=cfg.cluster.intra_mode == "thread"))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from hybrid.core.comm import (
     register_comm_hook,
 )
 from hybrid.core.comm.base import DEFAULT_CHUNK_BYTES
+from hybrid.core.node_sharded_optimizer import NodeShardedOptimizer
 from hybrid.core.nodes import RankReport, local_report, topology_from_reports
 from hybrid.core.topology import Topology
 
@@ -112,6 +113,23 @@ class Attached:
         state = register_comm_hook(model, self.communicator)
         self.hooks.append(state)
         return state
+
+    def shard_optimizer(self, model: DistributedDataParallel, optimizer: Callable[[Any], torch.optim.Optimizer],
+                        params: Iterable[Any] | None = None) -> NodeShardedOptimizer:
+        """Average ``model``'s gradients with this communicator and step ``optimizer`` sharded inside each node
+        (ZeRO-1 within the node, docs/memory.md): each worker holds and steps its shard of the optimizer's state,
+        then the node gathers the updated weights. ``optimizer``: an elementwise ``torch.optim`` class with its
+        arguments (``functools.partial(torch.optim.AdamW, lr=1e-3)``), built over ``params`` (default: the
+        model's parameters; param groups work). Step the returned optimizer in place of your own:
+        ``backward(); opt.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()``; its ``state_dict`` is torch's
+        whole-tensor one, complete on rank 0 (collective over rank 0's node)."""
+        if self._closed:
+            raise RuntimeError("this communicator is closed: call hybrid.connect again to train on")
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"shard_optimizer needs a torch DistributedDataParallel model, got {type(model).__name__}")
+        sharded = NodeShardedOptimizer(model.parameters() if params is None else params, optimizer)
+        self.hooks.append(sharded.attach(model, self.communicator))
+        return sharded
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Serve what is queued (waiting at most ``timeout_s``), stop the thread, destroy the groups. A model

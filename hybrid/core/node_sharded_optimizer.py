@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hybrid.core.comm.base import Communicator
 from hybrid.core.comm.ddp_hook import CommHookState, register_comm_hook
-from hybrid.core.optimizer_shards import BucketShards, ShardLayout, check_elementwise, collective
+from hybrid.core.optimizer_shards import BucketShards, NoState, ShardLayout, check_elementwise, collective
 
 __all__ = ["NodeShardedOptimizer", "optimizer_state_bytes"]
 
@@ -54,8 +54,11 @@ __all__ = ["NodeShardedOptimizer", "optimizer_state_bytes"]
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of tensors this process's optimizer keeps between steps (its shard's, where it is sharded)."""
     if isinstance(optimizer, NodeShardedOptimizer):
-        return optimizer.layout.state_bytes() if optimizer.layout is not None else 0
-    return sum(v.nbytes for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+        return optimizer.state_bytes()
+    optimizer = getattr(optimizer, "optim", optimizer)  # torch's ZeroRedundancyOptimizer: this rank's part
+    # FSDP2's state is DTensors, whose nbytes is the whole tensor's: count this rank's part.
+    return sum(getattr(v, "to_local", lambda v=v: v)().nbytes
+               for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
 
 
 class NodeShardedOptimizer(torch.optim.Optimizer):
@@ -87,6 +90,11 @@ class NodeShardedOptimizer(torch.optim.Optimizer):
         self._fresh = False  # _seen holds a backward the layout has not been checked against
         self._pending: dict[str, Any] | None = None  # a state dict loaded before the layout was known
         self._norm: tuple[torch.Tensor, bool] | None = None  # this step's (global gradient norm, finite)
+        self.relayouts = 0  # times DDP's buckets changed under a stepped optimizer (its state moved)
+
+    def state_bytes(self) -> int:
+        """Bytes of state this worker's shard keeps between steps (0 before the first step)."""
+        return self.layout.state_bytes() if self.layout is not None else 0
 
     @property
     def inner(self) -> torch.optim.Optimizer | None:
@@ -136,6 +144,7 @@ class NodeShardedOptimizer(torch.optim.Optimizer):
             def move(b: BucketShards, whole: dict[int, dict[str, Any]]) -> None:
                 layout.load({p: whole.pop(p) for p in b.params if p in whole}, self._params, clear=False)
             self.layout.whole_state(to_all=True, on_bucket=move)
+            self.relayouts += 1
         elif self._pending is not None:
             layout.load(self._pending["state"], self._params)
             self._pending = None
@@ -234,6 +243,16 @@ class NodeShardedOptimizer(torch.optim.Optimizer):
             whole = self.layout.whole_state(to_all=False) if 0 in topo.node_ranks else {}
             state = whole if topo.rank == 0 else {}
         return {"state": state, "param_groups": self._groups_state()}
+
+    def deferred_state_dict(self) -> tuple[dict[str, Any], Any]:
+        """:meth:`state_dict` with the whole tensors left as placeholders on rank 0, and a
+        :class:`~hybrid.app.state.streamed_save.Deferred` whose ``fill`` (collective over rank 0's node) gathers
+        them one bucket at a time: rank 0 never holds the whole state. Elsewhere: no state, nothing to fill."""
+        if self.layout is None or 0 not in self.layout.comm.topology.node_ranks:
+            return self.state_dict(), NoState()
+        state, gathered = self.layout.deferred_state()
+        state = state if self.layout.comm.topology.rank == 0 else {}
+        return {"state": state, "param_groups": self._groups_state()}, gathered
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's optimizer state_dict of the whole model (written by this class or by the optimizer it

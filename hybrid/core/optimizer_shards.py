@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hybrid.core.comm.base import Communicator
 
-__all__ = ["ELEMENTWISE", "BucketShards", "Segment", "ShardLayout", "check_elementwise", "collective", "segments_of",
+__all__ = ["ELEMENTWISE", "BucketShards", "GatheredState", "NoState", "Segment", "ShardLayout", "check_elementwise", "collective", "segments_of",
            "slice_of"]
 
 # torch.optim classes whose update of an element reads only that element's gradient and state (and scalars
@@ -164,6 +164,19 @@ class ShardLayout:
                     merged.setdefault(param, {}).setdefault(k, v)
         return dict(sorted(merged.items()))
 
+    def pack(self, b: BucketShards, key: str, ranges: list[tuple[int, int]], out: torch.Tensor) -> None:
+        """This worker's values of state entry ``key`` under ``ranges`` (some of its ranges of bucket ``b``), laid
+        end to end into ``out`` (zeros stay where it holds none)."""
+        at, packed = 0, {}
+        for start, end in ranges:
+            packed[start], at = at, at + end - start
+        for s in self.owned[b.index]:
+            value = self.state_of(s).get(key)
+            start = max((r for r, _ in ranges if r <= s.bucket_start), default=None)
+            if torch.is_tensor(value) and start is not None and s.bucket_start < dict(ranges)[start]:
+                offset = packed[start] + s.bucket_start - start
+                out[offset:offset + s.numel].copy_(value)
+
     def gather_bucket(self, b: BucketShards, key: str, dtype: torch.dtype, to_all: bool) -> torch.Tensor | None:
         """State entry ``key`` of every parameter of bucket ``b``, laid whole as the bucket lays gradients: on
         every worker of the node (``to_all``) or on rank 0 (None elsewhere). Each worker sends its ranges'
@@ -171,15 +184,7 @@ class ShardLayout:
         topo = self.comm.topology
         ranges = [self.comm.shard_ranges(b.numel, b.buffer.element_size(), j) for j in range(topo.local_world_size)]
         send = torch.zeros(max(sum(e - s for s, e in r) for r in ranges), dtype=dtype)
-        mine, at, packed = ranges[topo.local_rank], 0, {}
-        for start, end in mine:
-            packed[start], at = at, at + end - start
-        for s in self.owned[b.index]:
-            value = self.state_of(s).get(key)
-            if torch.is_tensor(value):
-                start = max(r for r, _ in mine if r <= s.bucket_start)
-                offset = packed[start] + s.bucket_start - start
-                send[offset:offset + s.numel].copy_(value)
+        self.pack(b, key, ranges[topo.local_rank], send)
         group = self.comm.groups.intra
         if topo.local_world_size == 1:
             received: list[torch.Tensor] | None = [send]
@@ -219,6 +224,69 @@ class ShardLayout:
             if on_bucket is not None:
                 on_bucket(b, state)
         return state
+
+
+    def deferred_state(self) -> tuple[dict[int, dict[str, Any]], "GatheredState"]:
+        """torch's whole-tensor optimizer state with its elementwise tensors left as placeholders (views of one
+        ``torch.empty`` per bucket and entry, on rank 0 only), and what fills them: the node's gather of each, one
+        at a time (:meth:`GatheredState.fill`). What a checkpoint writer streams to disk instead of holding the
+        whole state (:mod:`hybrid.app.state.streamed_save`). Collective over the node."""
+        entries = self.entries()
+        kinds = sorted({(k, v[1]) for e in entries.values() for k, v in e.items() if _is_elementwise(v)},
+                       key=lambda kind: (kind[0], str(kind[1])))
+        state = {param: {k: (None if _is_elementwise(v) else v) for k, v in e.items()} for param, e in entries.items()}
+        jobs = [(b, key, dtype) for b in self.buckets for key, dtype in kinds
+                if any(p >= 0 and key in state.get(p, {}) for p in b.params)]
+        placeholders: dict[tuple[int, str], torch.Tensor] = {}
+        if self.comm.topology.rank == 0:
+            for b, key, dtype in jobs:
+                whole = placeholders[(b.index, key)] = torch.empty(b.numel, dtype=dtype)
+                for param, tensor, offset in zip(b.params, b.tensors, b.offsets):
+                    if param >= 0 and key in state.get(param, {}):
+                        state[param][key] = whole[offset:offset + tensor.numel()].view(tensor.shape)
+        return state, GatheredState(self, jobs, placeholders)
+
+
+class GatheredState:
+    """:meth:`ShardLayout.deferred_state`'s placeholders and their gathers (a
+    :class:`hybrid.app.state.streamed_save.Deferred`)."""
+
+    def __init__(self, layout: ShardLayout, jobs: list[tuple[BucketShards, str, torch.dtype]],
+                 placeholders: dict[tuple[int, str], torch.Tensor]) -> None:
+        self.layout, self.jobs, self._placeholders = layout, jobs, placeholders
+
+    def placeholders(self) -> list[torch.Tensor]:
+        return list(self._placeholders.values())
+
+    def fill(self, write: Callable[[torch.Tensor, torch.Tensor, int], None] | None) -> None:
+        """Each bucket's entry, one pipeline piece at a time: every worker's part of the piece gathered to rank 0
+        and handed to ``write(placeholder, part, first element)`` there, so rank 0 holds one piece at a time.
+        Collective over the node."""
+        layout = self.layout
+        topo, group = layout.comm.topology, layout.comm.groups.intra
+        for b, key, dtype in self.jobs:
+            for piece in layout.comm.shard_pieces(b.numel, b.buffer.element_size()):
+                mine = piece[topo.local_rank]
+                send = torch.zeros(max(end - start for start, end in piece), dtype=dtype)
+                layout.pack(b, key, [mine], send)
+                received = [send]
+                if topo.local_world_size > 1:
+                    received = [torch.empty_like(send) for _ in piece] if topo.rank == 0 else []
+                    collective(layout.comm, lambda: dist.gather(send, received or None, dst=0, group=group))
+                if write is not None and topo.rank == 0:
+                    for (start, end), values in zip(piece, received):
+                        if end > start:
+                            write(self._placeholders[(b.index, key)], values[:end - start], start)
+
+
+class NoState:
+    """Nothing deferred (a process outside rank 0's node)."""
+
+    def placeholders(self) -> list[torch.Tensor]:
+        return []
+
+    def fill(self, write: Callable[[torch.Tensor, torch.Tensor], None] | None) -> None:
+        pass
 
 
 ELEMENTWISE_STATE = "elementwise"

@@ -51,8 +51,13 @@ __all__ = ["TrainBenchOptions", "bench_settings", "compose_settings", "main", "r
 # "ddp+fp16" etc.: plain DDP with one of torch's own hooks (comm.torch_hook); "hsdp": torch FSDP2 on a 2-D mesh;
 # "diloco+fp8" etc.: DiLoCo with its pseudo-gradients in that format. Any of them with LOOPBACK appended runs
 # without the testbed's shaped NICs.
+# "sharded+zero" etc.: that comm with comm.shard_optimizer (its optimizer sharded inside each node); "ddp+zero":
+# plain DDP with torch's ZeroRedundancyOptimizer over the whole job.
+ZERO = "zero"
 BENCH_COMMS = ("ddp", "flat", "hierarchical", "sharded", "auto", "hsdp",
                *(f"{c}+{k}" for c in ("hierarchical", "sharded") for k in ("bf16", "fp16")),
+               *(f"{c}+{ZERO}" for c in ("ddp", "hierarchical", "sharded")),
+               *(f"sharded+{k}+{ZERO}" for k in ("bf16", "fp16")),
                *(f"ddp+{h}" for h in ("bf16", "fp16", "powersgd")),
                "diloco", *(f"diloco+{k}" for k in ("bf16", "fp16", "fp8")))
 LOOPBACK = "@loopback"
@@ -84,7 +89,9 @@ def compose_settings(overrides: list[str], layout: str, comm: str, steps: int, t
     if not parsed.is_uniform:
         raise ValueError(f"layout {layout!r}: the trainer runs uniform layouts only (NNODESxNPROC, e.g. 2x4)")
     loopback = comm.endswith(LOOPBACK)
-    algorithm, _, variant = comm.removesuffix(LOOPBACK).partition("+")
+    algorithm, *variants = comm.removesuffix(LOOPBACK).split("+")
+    zero = ZERO in variants
+    variant = next((v for v in variants if v != ZERO), "")
     key = "comm.torch_hook" if algorithm == "ddp" else "comm.inter_compression"
     if algorithm != "diloco":  # comm=diloco's own keys among the overrides reach its configurations only
         from hybrid.app.config import DILOCO_KEYS
@@ -94,7 +101,7 @@ def compose_settings(overrides: list[str], layout: str, comm: str, steps: int, t
             return any(key == f"comm.{k}" or key.startswith(f"comm.{k}.") for k in DILOCO_KEYS)
 
         overrides = [o for o in overrides if not diloco_key(o)]
-    ours = [f"comm={algorithm}", *([f"{key}={variant}"] if variant else []),
+    ours = [f"comm={algorithm}", *([f"{key}={variant}"] if variant else []), f"comm.shard_optimizer={zero}",
             f"cluster.nnodes={parsed.nnodes}", f"cluster.nproc_per_node={parsed.node_sizes[0]}",
             f"trainer.max_steps={steps}", f"trainer.log_every={steps}", "trainer.checkpoint_every=0",
             "trainer.resume=false", "trainer.stop_after=0"]
@@ -118,6 +125,7 @@ def _one_run(settings: Any) -> dict[str, Any]:
         "samples_per_s": result["samples_per_step"] / step_s,
         "median_step_s": step_s,
         "peak_rss_mb": result["peak_rss_mb"],
+        "optimizer_state_bytes": result["optimizer_state_bytes"],
         "comm_s_per_step": sum(result["comm_s"].values()) / max(1, result["steps_run"]),
         "param_bytes": result["param_bytes"],
         "final_loss": result["final_loss"],
@@ -150,7 +158,7 @@ def run_train_bench(opts: TrainBenchOptions, log: Any = print,
         for layout, comm in order:
             run = _one_run(settings[(layout, comm)])
             runs[f"{layout} {comm}"].append(run)
-            log(f"round {r + 1}/{opts.rounds} {layout} {comm:>12}: {run['samples_per_s']:8.1f} samples/s  "
+            log(f"round {r + 1}/{opts.rounds} {layout} {comm:>17}: {run['samples_per_s']:8.1f} samples/s  "
                 f"max peak RSS {max(run['peak_rss_mb']):7.1f} MB")
     return {"options": asdict(opts), "runs": runs, "summary": summarise(opts, runs),
             "host": platform.node(), "param_bytes": next(iter(runs.values()))[0]["param_bytes"]}
@@ -169,6 +177,7 @@ def summarise(opts: TrainBenchOptions, runs: dict[str, list[dict[str, Any]]]) ->
                 "median_step_s": statistics.median(r["median_step_s"] for r in rs),
                 "peak_rss_mb": statistics.median(max(r["peak_rss_mb"]) for r in rs),
                 "peak_rss_mb_by_rank": [statistics.median(ranks) for ranks in zip(*(r["peak_rss_mb"] for r in rs))],
+                "optimizer_state_bytes": statistics.median(max(r["optimizer_state_bytes"]) for r in rs),
                 "comm_s_per_step": statistics.median(r["comm_s_per_step"] for r in rs),
                 "final_loss": statistics.median(r["final_loss"] for r in rs),
                 "tail_loss": statistics.median(r.get("tail_loss", float("nan")) for r in rs),
@@ -200,8 +209,9 @@ def format_table(report: dict[str, Any]) -> str:
                if o["testbed_mbit"] else ", loopback")
             + (f"; overrides: {' '.join(o['overrides'])}" if o["overrides"] else ""))
     base = o["baseline"]
-    cols = (f"{'layout':>7} {'comm':>12} {'samples/s':>10} {'min..max':>15} {'step ms':>8} "
-            f"{'vs ' + base:>8} {'range':>10} {'peak RSS MB':>11} {'RSS vs ' + base:>11} {'weak-scaling eff':>16} "
+    cols = (f"{'layout':>7} {'comm':>17} {'samples/s':>10} {'min..max':>15} {'step ms':>8} "
+            f"{'vs ' + base:>8} {'range':>10} {'peak RSS MB':>11} {'RSS vs ' + base:>11} {'optim MB':>9} "
+            f"{'weak-scaling eff':>16} "
             f"{'NIC MB/step':>11} {'final loss':>10} {'tail loss':>10}")
     lines = [head, cols]
     for row in report["summary"]:
@@ -212,12 +222,14 @@ def format_table(report: dict[str, Any]) -> str:
         rss = f"{row['rss_vs_baseline']:11.3f}" if "rss_vs_baseline" in row else f"{'-':>11}"
         eff = f"{row['weak_scaling_efficiency']:16.1%}" if "weak_scaling_efficiency" in row else f"{'-':>16}"
         nic = f"{row['nic_tx_bytes_per_step'] / 1e6:11.2f}" if "nic_tx_bytes_per_step" in row else f"{'-':>11}"
-        lines.append(f"{row['layout']:>7} {row['comm']:>12} {row['samples_per_s']:10.1f} {spread:>15} "
-                     f"{row['median_step_s'] * 1e3:8.1f} {ratio} {row['peak_rss_mb']:11.1f} {rss} {eff} {nic} "
+        lines.append(f"{row['layout']:>7} {row['comm']:>17} {row['samples_per_s']:10.1f} {spread:>15} "
+                     f"{row['median_step_s'] * 1e3:8.1f} {ratio} {row['peak_rss_mb']:11.1f} {rss} "
+                     f"{row.get('optimizer_state_bytes', float('nan')) / 2**20:9.1f} {eff} {nic} "
                      f"{row['final_loss']:10.4f} {row['tail_loss']:10.4f}")
     lines.append(f"samples/s and step ms: medians over the rounds; vs {base}: median over the rounds of each "
                  f"round's samples/s / {base}'s in the same round (range: smallest..largest of those); peak RSS: "
                  "the largest rank's, median over the rounds (every rank's: peak_rss_mb_by_rank in the JSON); "
+                 "optim MB: the optimizer state the largest holder keeps between steps (comm+zero: its shard); "
                  "weak-scaling eff: samples/s / (workers x the same comm's 1x1 samples/s); NIC MB/step (testbed): "
                  "what the busiest node's NICs sent per step; final loss: rank 0's last step's, tail loss: every rank's "
                  "last 20 steps' mean loss (thread mode: every node's leader's), medians over the rounds (every "

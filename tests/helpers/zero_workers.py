@@ -61,7 +61,8 @@ def _run(comm_name: str | None, groups: CommGroups, base: nn.Module, factory: An
     if hook is not None:
         hook.close()
     return {"params": [p.detach().clone() for p in model.module.parameters()], "state": state, "norms": norms,
-            "skipped": skipped, "state_bytes": optimizer_state_bytes(opt)}
+            "skipped": skipped, "state_bytes": optimizer_state_bytes(opt),
+            "relayouts": getattr(opt, "relayouts", None)}
 
 
 def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> str:
@@ -107,7 +108,7 @@ def case_zero(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any
             "state_matches_ddp": _states_close(run["state"], ddp["state"]) if topo.rank == 0 else "yes",
             "norms_match": _close([torch.tensor(run["norms"])], [torch.tensor(ddp["norms"])]),
             "clipped": sum(n > CLIP for n in ddp["norms"]), "skipped": run["skipped"], "ddp_skipped": ddp["skipped"],
-            "state_bytes": run["state_bytes"], "ddp_state_bytes": ddp["state_bytes"],
+            "state_bytes": run["state_bytes"], "ddp_state_bytes": ddp["state_bytes"], "relayouts": run["relayouts"],
             "params": hash(tuple(float(p.sum()) for p in run["params"]))}
     ddp_sgd = _run(None, groups, base, sgd, None, None)
     zero_sgd = _run("sharded", groups, base, sgd, None, None)

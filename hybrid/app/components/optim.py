@@ -14,16 +14,27 @@ from hybrid.app.targets import Component, ComponentError
 from hybrid.core.node_sharded_optimizer import NodeShardedOptimizer
 from hybrid.core.optimizer_shards import check_elementwise
 
-__all__ = ["build_optimizer", "build_scheduler", "check_optimizer", "lr_factor"]
+__all__ = ["SHARDINGS", "build_optimizer", "build_scheduler", "check_optimizer", "lr_factor"]
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, shard: bool = False,
+SHARDINGS = ("none", "node", "job")
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, shard: str = "none",
                     ) -> torch.optim.Optimizer:
     """``optim._target_`` (a ``_partial_`` optimizer class) called with the parameters; ``shard``
-    (``comm.shard_optimizer``): wrapped so that each worker of a node steps its shard only (attached to the
-    DDP model once that exists: :class:`~hybrid.core.node_sharded_optimizer.NodeShardedOptimizer`)."""
-    if shard:
+    (``comm.shard_optimizer``): ``node``: wrapped so that each worker of a node steps its shard only (attached to
+    the DDP model once that exists: :class:`~hybrid.core.node_sharded_optimizer.NodeShardedOptimizer`); ``job``:
+    torch's ``ZeroRedundancyOptimizer`` over every rank of the default group (comm=ddp's reference)."""
+    if shard not in SHARDINGS:
+        raise ValueError(f"shard={shard!r} is not one of {', '.join(SHARDINGS)}")
+    if shard == "node":
         return NodeShardedOptimizer(list(params), cfg.optimizer.build())
+    if shard == "job":
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # loaded only by runs that use it
+
+        factory = cfg.optimizer.build()
+        return ZeroRedundancyOptimizer(list(params), optimizer_class=factory.func, **factory.keywords)
     optimizer = cfg.optimizer.build(list(params))
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ComponentError(f"optim._target_={cfg.optimizer.target} gave a {type(optimizer).__name__}, not a "

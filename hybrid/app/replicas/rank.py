@@ -103,6 +103,9 @@ class PlainState:
         return model
 
     def collect(self, model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        if _is_zero_redundancy(optimizer):  # torch's ZeroRedundancyOptimizer (comm=ddp, comm.shard_optimizer)
+            optimizer.consolidate_state_dict(to=0)
+            return model.state_dict(), optimizer.state_dict() if dist.get_rank() == 0 else {}
         return model.state_dict(), optimizer.state_dict()
 
     def load(self, model: nn.Module, optimizer: Any, model_state: dict[str, Any],
@@ -161,6 +164,12 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
     importing it costs every worker process CPU time (experiments/RESULTS.md) that the other comms need not pay."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
+
+
+def _is_zero_redundancy(optimizer: Any) -> bool:
+    """torch's ZeroRedundancyOptimizer, looked up only where its module is loaded (as :func:`_is_sharded`)."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import torch
 
+from hybrid.app.state.streamed_save import Deferred, save_streamed
+
 __all__ = [
     "CHECKPOINT_NAME",
     "CheckpointError",
@@ -97,10 +99,19 @@ def checkpoint_steps(directory: Path) -> list[int]:
 
 
 def save_checkpoint(directory: Path, state: dict[str, Any], step: int, keep: int = 3,
-                    meta: dict[str, Any] | None = None) -> Path:
-    """Write ``state`` as the checkpoint of ``step``; keep the newest ``keep``. Returns its path."""
+                    meta: dict[str, Any] | None = None, deferred: Deferred | None = None) -> Path:
+    """Write ``state`` as the checkpoint of ``step``; keep the newest ``keep``. Returns its path. ``deferred``:
+    placeholders in ``state`` whose data arrive one at a time (:mod:`hybrid.app.state.streamed_save`); its
+    ``fill`` is called once, whatever happens, so that the processes producing the data are not left waiting."""
     if keep < 1:
+        if deferred is not None:
+            deferred.fill(None)
         raise ValueError(f"keep={keep} must be >= 1")
+    pending = [deferred] if deferred is not None else []
+
+    def filled_once(write: Any) -> None:
+        if pending:
+            pending.pop().fill(write)
     directory = Path(directory)
     final = directory / f"step-{step:08d}.pt"
     manifest = final.with_suffix(".json")
@@ -109,12 +120,17 @@ def save_checkpoint(directory: Path, state: dict[str, Any], step: int, keep: int
     previous = checkpoint_steps(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            hashing = _HashingFile(f)
-            torch.save(state, hashing)
-            f.flush()
-            os.fsync(f.fileno())
-        record = {"step": step, "bytes": hashing.size, "sha256": hashing.sha256.hexdigest(), **(meta or {})}
+        if deferred is None:
+            with open(tmp, "wb") as f:
+                hashing = _HashingFile(f)
+                torch.save(state, hashing)
+                f.flush()
+                os.fsync(f.fileno())
+            size, digest = hashing.size, hashing.sha256.hexdigest()
+        else:
+            save_streamed(tmp, state, _Once(deferred, filled_once))
+            size, digest = _digest(tmp)
+        record = {"step": step, "bytes": size, "sha256": digest, **(meta or {})}
         with open(tmp_manifest, "w") as f:
             json.dump(record, f)
             f.flush()
@@ -134,12 +150,35 @@ def save_checkpoint(directory: Path, state: dict[str, Any], step: int, keep: int
             f"{(cause.strerror if cause else None) or exc}; the previous checkpoint ({kept}) is intact"
         ) from exc
     finally:
+        filled_once(None)  # a failure before the data were asked for: the producers still take their part
         tmp.unlink(missing_ok=True)
         tmp_manifest.unlink(missing_ok=True)
     for old in checkpoint_steps(directory)[keep:]:
         for suffix in (".pt", ".json"):
             (directory / f"step-{old:08d}{suffix}").unlink(missing_ok=True)
     return final
+
+
+class _Once:
+    """``deferred`` whose ``fill`` goes through ``filled_once`` (called at most once in all)."""
+
+    def __init__(self, deferred: Deferred, filled_once: Callable[[Any], None]) -> None:
+        self.deferred, self.filled_once = deferred, filled_once
+
+    def placeholders(self) -> list[torch.Tensor]:
+        return self.deferred.placeholders()
+
+    def fill(self, write: Any) -> None:
+        self.filled_once(write)
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+            size += len(block)
+    return size, h.hexdigest()
 
 
 def verify_checkpoint(path: Path) -> str | None:
@@ -157,11 +196,7 @@ def verify_checkpoint(path: Path) -> str | None:
     size = path.stat().st_size
     if size != record.get("bytes"):
         return f"truncated or extended: {size} bytes, {record.get('bytes')} written"
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    if h.hexdigest() != record.get("sha256"):
+    if _digest(path)[1] != record.get("sha256"):
         return "corrupt: sha256 differs from the one recorded when it was written"
     return None
 

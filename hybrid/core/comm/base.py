@@ -143,24 +143,27 @@ class Communicator(ABC):
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
-    def shard_ranges(self, numel: int, element_size: int, local_rank: int | None = None) -> list[tuple[int, int]]:
-        """The element ranges ``[start, end)`` of a flat tensor of ``numel`` elements that local rank
-        ``local_rank`` (default: this rank's) owns: of each pipeline piece (:meth:`_chunks`), its share of
-        the piece's split into one part per worker of the node (``torch.tensor_split``'s rule: the first
-        ``len % g`` parts are one longer). The same ranges on every node, so a shard lines up across nodes.
-        Empty ranges are left out."""
+    def shard_pieces(self, numel: int, element_size: int) -> list[list[tuple[int, int]]]:
+        """How a flat tensor of ``numel`` elements is shared by the node's workers: per pipeline piece
+        (:meth:`_chunks`), the element range ``[start, end)`` each local rank owns, by ``torch.tensor_split``'s
+        rule (the first ``len % g`` parts are one longer; a part may be empty). The same on every node, so a
+        shard lines up across nodes."""
         local = self.topology.local_world_size
-        j = self.topology.local_rank if local_rank is None else local_rank
         per_chunk = max(1, self.chunk_bytes // element_size)
-        ranges = []
+        pieces = []
         for start in range(0, numel, per_chunk):
-            length = min(per_chunk, numel - start)
-            base, extra = divmod(length, local)
-            first = start + j * base + min(j, extra)
-            end = first + base + (1 if j < extra else 0)
-            if end > first:
-                ranges.append((first, end))
-        return ranges
+            base, extra = divmod(min(per_chunk, numel - start), local)
+            bounds = [start]
+            for j in range(local):
+                bounds.append(bounds[-1] + base + (1 if j < extra else 0))
+            pieces.append(list(zip(bounds[:-1], bounds[1:])))
+        return pieces
+
+    def shard_ranges(self, numel: int, element_size: int, local_rank: int | None = None) -> list[tuple[int, int]]:
+        """The non-empty element ranges of a flat tensor of ``numel`` elements that local rank ``local_rank``
+        (default: this rank's) owns, one per pipeline piece (:meth:`shard_pieces`)."""
+        j = self.topology.local_rank if local_rank is None else local_rank
+        return [piece[j] for piece in self.shard_pieces(numel, element_size) if piece[j][1] > piece[j][0]]
 
     def all_gather_shards_(self, flat: torch.Tensor) -> torch.Tensor:
         """Inside the node, every rank's :meth:`shard_ranges` of ``flat`` (1-D, contiguous) broadcast from the
