@@ -34,6 +34,7 @@ def test_summary_takes_medians_ratios_to_the_baseline_and_weak_scaling():
     assert rows[("2x2", "ddp")]["peak_rss_mb_by_rank"] == [300, 300, 300, 300]  # per rank, median over rounds
     assert rows[("2x2", "flat")]["peak_rss_mb_by_rank"] == [330] * 4 and rows[("1x1", "ddp")]["peak_rss_mb_by_rank"] == [200]
     assert rows[("2x2", "flat")]["final_loss"] == 1.0 and "nic_tx_bytes_per_step" not in rows[("2x2", "flat")]
+    assert "optimizer_state_bytes" not in rows[("2x2", "flat")]  # runs that did not report it
     # Paired by round (330/300, 333/320, 340/1), then the median: not the ratio of the medians (333/300).
     assert rows[("2x2", "flat")]["speed_vs_baseline_per_round"] == pytest.approx([330 / 300, 333 / 320, 340])
     assert rows[("2x2", "flat")]["speed_vs_baseline"] == pytest.approx(330 / 300)
@@ -111,7 +112,10 @@ def test_tiny_run_reports_every_configuration(tmp_path):
         assert all(20 < mb < 20_000 for mb in run["peak_rss_mb"])
         assert row["samples_per_s"] == pytest.approx(run["samples_per_s"]) and row["samples_per_s"] > 0
         assert row["final_loss"] == run["final_loss"] > 0 and len(row["peak_rss_mb_by_rank"]) == row["world_size"]
-    assert rows[("1x2", "ddp")]["speed_vs_baseline"] == 1.0
+    assert rows[("1x2", "ddp")]["speed_vs_baseline"] == 1.0 and "optim MB" in out.stdout
+    # SGD's momentum: one fp32 value per parameter on every DDP worker; FSDP2's workers hold half of it each.
+    assert rows[("1x2", "ddp")]["optimizer_state_bytes"] == report["param_bytes"]
+    assert rows[("1x2", "hsdp")]["optimizer_state_bytes"] <= 0.6 * report["param_bytes"]
     assert rows[("1x2", "hsdp")]["weak_scaling_efficiency"] == pytest.approx(
         rows[("1x2", "hsdp")]["samples_per_s"] / (2 * rows[("1x1", "hsdp")]["samples_per_s"]))
     # FSDP2 (1x2: both workers shard one node) trains the model DDP trains, to float rounding.

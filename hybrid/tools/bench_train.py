@@ -177,12 +177,13 @@ def summarise(opts: TrainBenchOptions, runs: dict[str, list[dict[str, Any]]]) ->
                 "median_step_s": statistics.median(r["median_step_s"] for r in rs),
                 "peak_rss_mb": statistics.median(max(r["peak_rss_mb"]) for r in rs),
                 "peak_rss_mb_by_rank": [statistics.median(ranks) for ranks in zip(*(r["peak_rss_mb"] for r in rs))],
-                "optimizer_state_bytes": statistics.median(max(r["optimizer_state_bytes"]) for r in rs),
                 "comm_s_per_step": statistics.median(r["comm_s_per_step"] for r in rs),
                 "final_loss": statistics.median(r["final_loss"] for r in rs),
                 "tail_loss": statistics.median(r.get("tail_loss", float("nan")) for r in rs),
                 **({"nic_tx_bytes_per_step": statistics.median(r["nic_tx_bytes_per_step"] for r in rs)}
                    if all(r.get("nic_tx_bytes_per_step") is not None for r in rs) else {}),
+                **({"optimizer_state_bytes": statistics.median(max(r["optimizer_state_bytes"]) for r in rs)}
+                   if all(r.get("optimizer_state_bytes") for r in rs) else {}),
             })
     by_key = {(row["layout"], row["comm"]): row for row in rows}
     for row in rows:
@@ -224,7 +225,8 @@ def format_table(report: dict[str, Any]) -> str:
         nic = f"{row['nic_tx_bytes_per_step'] / 1e6:11.2f}" if "nic_tx_bytes_per_step" in row else f"{'-':>11}"
         lines.append(f"{row['layout']:>7} {row['comm']:>17} {row['samples_per_s']:10.1f} {spread:>15} "
                      f"{row['median_step_s'] * 1e3:8.1f} {ratio} {row['peak_rss_mb']:11.1f} {rss} "
-                     f"{row.get('optimizer_state_bytes', float('nan')) / 2**20:9.1f} {eff} {nic} "
+                     f"{row['optimizer_state_bytes'] / 2**20 if 'optimizer_state_bytes' in row else float('nan'):9.1f} "
+                     f"{eff} {nic} "
                      f"{row['final_loss']:10.4f} {row['tail_loss']:10.4f}")
     lines.append(f"samples/s and step ms: medians over the rounds; vs {base}: median over the rounds of each "
                  f"round's samples/s / {base}'s in the same round (range: smallest..largest of those); peak RSS: "
