@@ -16,7 +16,7 @@ batches = torch.Generator().manual_seed(dist.get_rank())  # each rank its own da
 
 with hybrid.connect("sharded") as comm:  # or "hierarchical"
     optimizer = comm.shard_optimizer(ddp, adamw)  # in place of adamw(ddp.parameters())
-    for step in range(20):
+    for _ in range(20):
         x = torch.randn(64, 32, generator=batches)
         loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True))
         loss.backward()  # each bucket: reduce-scatter in the node, each shard all-reduced across nodes
