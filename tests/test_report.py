@@ -128,6 +128,9 @@ def test_the_peers_table_sets_torchs_own_comms_beside_hybrids_with_memory_networ
     make_job(tmp_path, 2, 2, 4, "hsdp", step_s=0.5, extra={**peers, "peak_rss_mb": [500.0, 400.0]})
     make_job(tmp_path, 3, 2, 4, "hierarchical", {"intra_reduce": 0.1, "inter_allreduce": 0.2, "intra_broadcast": 0.1},
              step_s=0.4, extra={**peers, "final_loss": 2.01}, overrides=["comm.inter_compression=bf16"])
+    make_job(tmp_path, 5, 2, 4, "sharded", {"intra_reduce": 0.1, "inter_allreduce": 0.2, "intra_broadcast": 0.1},
+             step_s=0.45, extra={**peers, "peak_rss_mb": [600.0, 610.0], "optimizer_state_bytes": [2**21, 2**22]},
+             overrides=["comm.shard_optimizer=true"])
     # A plain hierarchical job calibrates the cost model, which then prices jobs: not the 16-bit ones.
     make_job(tmp_path, 4, 2, 4, "hierarchical", {"intra_reduce": 0.1, "inter_allreduce": 0.4, "intra_broadcast": 0.1},
              step_s=0.6, extra=peers)
@@ -139,10 +142,11 @@ def test_the_peers_table_sets_torchs_own_comms_beside_hybrids_with_memory_networ
     rows = {line.split("|")[3].strip(): [c.strip() for c in line.split("|")[4:-1]]
             for line in peers_part.splitlines() if line.startswith("| mlp")}
     # 10-step runs: the tail window (20 steps) would be the whole run, so no tail-loss column
-    assert rows["ddp"] == ["256", "1.00", "900", "25.00", "2.0000"]
-    assert rows["ddp+fp16"] == ["320", "1.25", "900", "12.50", "2.0000"]
-    assert rows["hsdp"] == ["512", "2.00", "500", "25.00", "2.0000"]
-    assert rows["hierarchical+bf16"] == ["640", "2.50", "900", "25.00", "2.0100"]
+    assert rows["ddp"] == ["256", "1.00", "900", "-", "25.00", "2.0000"]
+    assert rows["ddp+fp16"] == ["320", "1.25", "900", "-", "12.50", "2.0000"]
+    assert rows["hsdp"] == ["512", "2.00", "500", "-", "25.00", "2.0000"]
+    assert rows["hierarchical+bf16"] == ["640", "2.50", "900", "-", "25.00", "2.0100"]
+    assert rows["sharded+zero"] == ["569", "2.22", "610", "4.0", "25.00", "2.0000"]  # its optimizer: largest rank
     assert "last 20 steps" not in report
     main = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[1:-1]]
             for line in report.split("## Side by side")[0].splitlines() if line.startswith("| 2x4")}

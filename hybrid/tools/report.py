@@ -67,14 +67,15 @@ def model_label(node: Any) -> str:
 
 def comm_label(comm: Any) -> str:
     """The comm as the bench names it: ``hierarchical+bf16`` (hybrid's 16-bit inter-node hop), ``ddp+fp16``
-    (torch's own hook on plain DDP), else the algorithm; comm=diloco with its schedule, ``diloco:h32``,
+    (torch's own hook on plain DDP), ``sharded+zero`` (comm.shard_optimizer), else the algorithm; comm=diloco with its schedule, ``diloco:h32``,
     ``diloco:h32:f4:overlap+fp8`` (H, fragments, overlap; its pseudo-gradients' format)."""
     algorithm = str(comm.algorithm)
     if algorithm == "diloco":
         algorithm += f":h{comm.get('sync_every', 32)}" + (
             f":f{comm.fragments}" if comm.get("fragments", 1) > 1 else "") + (":overlap" if comm.get("overlap") else "")
     variant = comm.get("torch_hook", "none") if algorithm == "ddp" else comm.get("inter_compression", "none")
-    return algorithm if variant in (None, "none") else f"{algorithm}+{variant}"
+    label = algorithm if variant in (None, "none") else f"{algorithm}+{variant}"
+    return f"{label}+zero" if comm.get("shard_optimizer") else label  # the optimizer sharded (docs/memory.md)
 
 
 def network_of(cfg: Any, job_dir: Path) -> tuple[str, list[float] | None, int]:

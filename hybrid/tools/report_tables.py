@@ -87,17 +87,20 @@ def peers_table(jobs: list[Job]) -> list[str]:
         return []
     tail = any(j.steps > TAIL_STEPS and j.metrics.get("tail_loss") is not None for j in done)
     lines = ["## Side by side with torch's own (plain DDP, its hooks, HSDP)", "",
-             "| model | shape | comm | samples/s | vs ddp | peak RSS MB (largest rank) | NIC MB/step (busiest node) "
-             "| final loss |" + (f" loss, mean of the last {TAIL_STEPS} steps (all ranks) |" if tail else ""),
-             "|" + " --- |" * (9 if tail else 8)]
+             "| model | shape | comm | samples/s | vs ddp | peak RSS MB (largest rank) | optimizer state MB (largest "
+             "rank) | NIC MB/step (busiest node) | final loss |"
+             + (f" loss, mean of the last {TAIL_STEPS} steps (all ranks) |" if tail else ""),
+             "|" + " --- |" * (10 if tail else 9)]
     for job in done:
         ddp = next((d for d in done if d.comm == "ddp" and d.layout == job.layout and d.model == job.model), None)
         m = job.metrics
         vs = m["samples_per_s"] / ddp.metrics["samples_per_s"] if ddp else None
         nic, rss = m.get("nic_tx_bytes_per_step"), max(m.get("peak_rss_mb") or [math.nan])
+        state = max(m.get("optimizer_state_bytes") or [math.nan])  # written since comm.shard_optimizer
         tail_loss = m.get("tail_loss") if job.steps > TAIL_STEPS else None
         lines.append(f"| {job.model} | {job.layout} | {job.comm} | {fmt(m['samples_per_s'], 1, 0)} | "
-                     f"{fmt(vs, 1, 2)} | {fmt(rss, 1, 0)} | {fmt(nic, 1e-6, 2)} | {fmt(m.get('final_loss'), 1, 4)} |"
+                     f"{fmt(vs, 1, 2)} | {fmt(rss, 1, 0)} | {fmt(state, 2**-20, 1)} | {fmt(nic, 1e-6, 2)} | "
+                     f"{fmt(m.get('final_loss'), 1, 4)} |"
                      + (f" {fmt(tail_loss, 1, 4)} |" if tail else ""))
     if tail:
         lines += ["", f"Loss over the last {TAIL_STEPS} steps: '-' for runs of {TAIL_STEPS} steps or fewer, where "
