@@ -82,3 +82,16 @@ def test_a_ddp_checkpoint_resumes_sharded_and_a_sharded_one_resumes_under_ddp():
         _close_models(got["model"], ref["model"])
         _close_states(got["optimizer"], ref["optimizer"])
         assert results[resumed]["param_checksums_identical"], resumed
+
+
+def test_comm_ddp_shards_its_optimizer_with_torchs_zero_redundancy_optimizer_over_the_job():
+    """The reference row: torch's ZeroRedundancyOptimizer (whole tensors spread over all four ranks) steps like
+    DDP's AdamW, and its checkpoint (consolidated on rank 0) is torch's whole-tensor state_dict too."""
+    root, results = job("2x2")
+    zero, ddp = checkpoint(root / "ddp-zero-redundancy"), checkpoint(root / "ddp-adamw")
+    _close_models(zero["model"], ddp["model"])
+    assert zero["optimizer"]["state"].keys() == ddp["optimizer"]["state"].keys()
+    for i, entry in ddp["optimizer"]["state"].items():
+        torch.testing.assert_close(zero["optimizer"]["state"][i]["exp_avg"], entry["exp_avg"], rtol=1e-5, atol=1e-6)
+    held, full = results["ddp-zero-redundancy"]["optimizer_state_bytes"], results["ddp-adamw"]["optimizer_state_bytes"]
+    assert sum(held) == pytest.approx(full[0], rel=0.01) and max(held) < full[0]  # spread over the ranks, once

@@ -189,8 +189,6 @@ BAD = [
     (["comm=hierarchical", "comm.sync_every=8"], "comm.sync_every=8 applies to comm=diloco only"),
     (["comm=diloco", "comm.fragments=4", "comm.overlap=true", "comm.overlap_steps=9"],
      "comm.overlap_steps=9 must be in 1..8 (comm.sync_every / comm.fragments"),
-    (["comm=ddp", "comm.shard_optimizer=true"], "comm.shard_optimizer=true is not available with comm=ddp, which is "
-                                                 "torch's DDP as it comes"),
     (["comm=flat", "comm.shard_optimizer=true"], "comm.shard_optimizer=true is not available with comm=flat, which has "
                                                   "no intra-node phase"),
     (["comm=auto", "comm.shard_optimizer=true"], "is not available with comm=auto, which may choose flat"),

@@ -63,6 +63,7 @@ ZERO_PLANS = [
     ("ddp-from-zero", ["comm=ddp", *ADAMW, f"trainer.resume={ZERO_HALF}"]),
     ("zero-from-ddp", [*ZERO, *ADAMW, f"trainer.resume={DDP_HALF}"]),
     ("zero-adamw-13", [*ZERO, *ADAMW, "trainer.resume=true"]),
+    ("ddp-zero-redundancy", ["comm=ddp", "comm.shard_optimizer=true", *ADAMW]),  # torch's ZeroRedundancyOptimizer
     ("zero-sgd", [*ZERO, "comm.pipeline_chunk_mb=0.002"]),
     ("zero-hierarchical", ["comm=hierarchical", "comm.shard_optimizer=true"]),
     ("zero+fp16", [*ZERO, "comm.inter_compression=fp16"]),

@@ -21,6 +21,8 @@ the inter-node all-reduce instead, on the ranks that send them across nodes
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
@@ -59,6 +61,12 @@ class _Inter:
     work: Any
     wire: torch.Tensor
     divided: bool
+
+
+@functools.cache
+def _takes_gather(cls: type) -> bool:
+    """Whether ``cls._sum_`` takes ``gather`` (a subclass written before it existed may not)."""
+    return "gather" in inspect.signature(cls._sum_).parameters
 
 
 class CommError(RuntimeError):
@@ -138,7 +146,11 @@ class Communicator(ABC):
             return stream.call(lambda: self._mean_(tensor, key, gather))
         # Collectives need one contiguous buffer; DDP buckets already are one.
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-        self._sum_(flat, self._prescale_(flat), ("size", flat.numel()) if key is None else key, gather)
+        divisor, name = self._prescale_(flat), ("size", flat.numel()) if key is None else key
+        if gather or not _takes_gather(type(self)):
+            self._sum_(flat, divisor, name)  # (an algorithm of older days sums all of it: that holds the shard too)
+        else:
+            self._sum_(flat, divisor, name, gather=False)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
