@@ -38,7 +38,7 @@ PLANS: dict[str, tuple[list[str], dict]] = {
     # Three ranks per node: uneven shards for sharded, a 3-rank reduce for hierarchical (flat's DDP parity is
     # checked on 2x2 and 3,1; pipeline pieces and windows by the 2x2 job and the tiny-piece runs).
     "2x3": (["collectives", "counters", "ddp", "compression", "zero"],
-            {"collectives": {"sizes": (0, 1, 7, 2**18 + 3)}, "zero": {"comms": ["sharded"]},
+            {"collectives": {"sizes": (0, 1, 7, 2**18 + 3)}, "zero": {"comms": ["sharded"], "sgd": False},
              "ddp": {**PARITY, "comms": ["ddp", "hierarchical", "sharded"]}}),
     "3x1": (["collectives", "counters"], {}),
     "3,1": (["collectives", "counters", "ddp", "auto"], {"ddp": PARITY}),
@@ -284,7 +284,7 @@ def test_a_node_sharded_optimizer_steps_like_torch_ddp_with_the_optimizer_it_wra
         for name, run in runs.items():
             assert run["matches_ddp"] == "yes", (r["rank"], name, run["matches_ddp"])
             assert run["state_matches_ddp"] == "yes", (r["rank"], name, run["state_matches_ddp"])
-        assert runs["sgd"]["moved"] > 1e-3
+        assert "sgd" not in runs or runs["sgd"]["moved"] > 1e-3  # (2x2 only)
         for name in [n for n in runs if n.startswith("adamw-")]:
             run = runs[name]
             assert run["norms_match"] == "yes" and run["clipped"] >= 1, (name, run["clipped"])

@@ -110,6 +110,8 @@ def case_zero(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any
             "clipped": sum(n > CLIP for n in ddp["norms"]), "skipped": run["skipped"], "ddp_skipped": ddp["skipped"],
             "state_bytes": run["state_bytes"], "ddp_state_bytes": ddp["state_bytes"], "relayouts": run["relayouts"],
             "params": hash(tuple(float(p.sum()) for p in run["params"]))}
+    if not params.get("sgd", True):
+        return out
     ddp_sgd = _run(None, groups, base, sgd, None, None)
     zero_sgd = _run("sharded", groups, base, sgd, None, None)
     out["sgd"] = {"matches_ddp": _close(zero_sgd["params"], ddp_sgd["params"]),

@@ -132,6 +132,7 @@ class MetricsProcessor:
         # final_loss (rank 0's last batch) is one batch's, too noisy to rank comms that differ in rounding.
         self._tail_losses: deque[torch.Tensor] = deque(maxlen=TAIL_STEPS)
         self.grad_norm: torch.Tensor | None = None  # the last clipped step's global gradient norm (before clipping)
+        self._logged_grad_norm: float | None = None  # its value at the last log step
 
     def step_skipped(self, step: int) -> None:
         self.skipped += 1
@@ -168,7 +169,10 @@ class MetricsProcessor:
         rate = self.samples_per_step * self._interval_steps / (time.perf_counter() - self._interval_start)
         values = {"train/loss": self.loss, "train/lr": lr, "train/samples_per_s": rate, "train/step_time_s": seconds}
         if self.grad_norm is not None:  # trainer.grad_clip_norm: the norm it clipped by, as torch computes it
-            values["train/grad_norm"] = float(self.grad_norm)
+            # On every rank, at the log step: comm=hsdp's norm is a DTensor, whose value takes a collective.
+            full = getattr(self.grad_norm, "full_tensor", None)
+            self._logged_grad_norm = float(full() if full is not None else self.grad_norm)
+            values["train/grad_norm"] = self._logged_grad_norm
         for name, stats in phases.items():
             values[f"comm/{name}_s"] = stats.seconds
             values[f"comm/{name}_bytes"] = float(stats.bytes)
@@ -212,8 +216,8 @@ class MetricsProcessor:
                   "param_bytes": param_bytes(leader), "device": str(device), "run_dir": str(run_path),
                   "membership": self.membership, **self.accounts.summary()}
         result["tail_loss"] = statistics.fmean(g[4] for g in gathered)
-        if self.grad_norm is not None:  # trainer.grad_clip_norm: the last step's global norm before clipping
-            result["grad_norm"] = float(self.grad_norm)
+        if self._logged_grad_norm is not None:  # trainer.grad_clip_norm: the last step's global norm (a log step)
+            result["grad_norm"] = self._logged_grad_norm
         result["tail_loss_steps"] = len(self._tail_losses)
         per_node = [g[3] for g in gathered if g[3] is not None]
         if per_node:  # testbed: bytes each node's NICs sent per step (node order), and the busiest node's

@@ -83,7 +83,6 @@ class CommHookState:
         # A node-sharded optimizer (hybrid.core.node_sharded_optimizer) learns DDP's buckets here, and needs
         # only its own shard of each averaged: the node then gathers updated parameters, not gradients.
         self.observer = observer
-        self._average = communicator.reduce_scatter_mean_ if observer is not None else communicator.all_reduce_mean_
         self.traces: deque[BucketTrace] = deque(maxlen=trace_len)
         self.buckets_per_step: int = 0  # buckets in the last completed backward
         self._buckets_this_step = 0
@@ -148,7 +147,10 @@ class CommHookState:
 
         def average() -> torch.Tensor:
             with bucket_scope(index, tensor.nbytes):  # on the stream's thread: its phases are this bucket's
-                return self._average(tensor, key=key)
+                # Looked up per bucket, not bound once: a wrapper put on the communicator later still applies.
+                comm = self.communicator
+                average = comm.reduce_scatter_mean_ if self.observer is not None else comm.all_reduce_mean_
+                return average(tensor, key=key)
 
         return self._stream.submit(average, future,
                                    event=event, device=tensor.device, on_start=started,
