@@ -45,6 +45,16 @@ def test_adamw_with_weight_decay_and_clipping_ends_where_plain_ddp_does_on_half_
         assert abs(held - full[0] / 2) <= 0.02 * full[0] / 2, (held, full[0])
 
 
+def test_on_four_nodes_sgd_with_momentum_steps_exactly_as_sharded_does_and_like_plain_ddp():
+    root, results = job("4x2")
+    got, plain, ddp = checkpoint(root / "zero-sgd"), checkpoint(root / "sharded"), checkpoint(root / "ddp")
+    for key, tensor in plain["model"].items():
+        assert torch.equal(got["model"][key], tensor), key
+    _close_models(got["model"], ddp["model"])
+    _close_states(got["optimizer"], ddp["optimizer"])
+    assert results["zero-sgd"]["param_checksums_identical"] and results["zero-sgd"]["world_size"] == 8
+
+
 def test_with_sgd_it_steps_exactly_as_its_comm_does_unsharded():
     """SGD with momentum is elementwise and takes no norm: stepping each worker's slices and gathering the
     parameters gives the very bits of stepping whole tensors after a gradient all-gather (sharded with pieces

@@ -116,7 +116,7 @@ PLANS = {
          # One bucket: torch's PowerSGD hook aborts on gloo with more (hybrid.app.checks.check_powersgd_buckets).
          ("ddp+powersgd-hook", ["comm=ddp", "comm.torch_hook=powersgd", "comm.powersgd_warmup_steps=5",
                                 "comm.bucket_mb=25"])],
-    "4x2": [(c, [f"comm={c}"]) for c in COMMS] + ZERO_PLANS[:2] + [
+    "4x2": [(c, [f"comm={c}"]) for c in COMMS] + ZERO_PLANS[:2] + [("zero-sgd", ZERO)] + [
         (f"{c}-resumed", [f"comm={c}", *resume])
         for c in ("ddp", "sharded") for resume in (["trainer.stop_after=10"], ["trainer.resume=true"])
     ],
