@@ -177,6 +177,15 @@ class ShardLayout:
                 offset = packed[start] + s.bucket_start - start
                 out[offset:offset + s.numel].copy_(value)
 
+    def _skeleton(self) -> tuple[dict[int, dict[str, Any]], list[tuple[str, torch.dtype]]]:
+        """The whole state's entries per parameter, scalars filled and elementwise tensors None, and the
+        (entry, dtype) kinds of those tensors, in one order on every worker. Collective over the node."""
+        entries = self.entries()
+        kinds = sorted({(k, v[1]) for e in entries.values() for k, v in e.items() if _is_elementwise(v)},
+                       key=lambda kind: (kind[0], str(kind[1])))
+        state = {param: {k: (None if _is_elementwise(v) else v) for k, v in e.items()} for param, e in entries.items()}
+        return state, kinds
+
     def gather_bucket(self, b: BucketShards, key: str, dtype: torch.dtype, to_all: bool) -> torch.Tensor | None:
         """State entry ``key`` of every parameter of bucket ``b``, laid whole as the bucket lays gradients: on
         every worker of the node (``to_all``) or on rank 0 (None elsewhere). Each worker sends its ranges'
@@ -209,10 +218,7 @@ class ShardLayout:
         """torch's whole-tensor optimizer state (parameter number -> entries), from the node's slices: on rank 0
         or on every worker of the node (``to_all``). ``on_bucket(b, state)`` is called once bucket ``b``'s
         entries are complete (and may take them out, to hold one bucket at a time). Collective over the node."""
-        entries = self.entries()
-        kinds = sorted({(k, v[1]) for e in entries.values() for k, v in e.items() if _is_elementwise(v)},
-                       key=lambda kind: (kind[0], str(kind[1])))
-        state = {param: {k: (None if _is_elementwise(v) else v) for k, v in e.items()} for param, e in entries.items()}
+        state, kinds = self._skeleton()
         for b in self.buckets:
             for key, dtype in kinds:
                 whole = self.gather_bucket(b, key, dtype, to_all)
@@ -231,10 +237,7 @@ class ShardLayout:
         ``torch.empty`` per bucket and entry, on rank 0 only), and what fills them: the node's gather of each, one
         at a time (:meth:`GatheredState.fill`). What a checkpoint writer streams to disk instead of holding the
         whole state (:mod:`hybrid.app.state.streamed_save`). Collective over the node."""
-        entries = self.entries()
-        kinds = sorted({(k, v[1]) for e in entries.values() for k, v in e.items() if _is_elementwise(v)},
-                       key=lambda kind: (kind[0], str(kind[1])))
-        state = {param: {k: (None if _is_elementwise(v) else v) for k, v in e.items()} for param, e in entries.items()}
+        state, kinds = self._skeleton()
         jobs = [(b, key, dtype) for b in self.buckets for key, dtype in kinds
                 if any(p >= 0 and key in state.get(p, {}) for p in b.params)]
         placeholders: dict[tuple[int, str], torch.Tensor] = {}

@@ -191,8 +191,8 @@ class Communicator(ABC):
         if self.groups.intra is None:
             raise ValueError(f"{self.name} has no intra-node group to gather shards over")
         works = [dist.broadcast(flat[start:end], src=topo.node_ranks[j], group=self.groups.intra, async_op=True)
-                 for start, end, j in sorted((s, e, j) for j in range(local)
-                                             for s, e in self.shard_ranges(flat.numel(), flat.element_size(), j))]
+                 for piece in self.shard_pieces(flat.numel(), flat.element_size())
+                 for j, (start, end) in enumerate(piece) if end > start]
         self._wait("intra_broadcast", works, rooted_bytes(flat.nbytes, local))
         return flat
 
