@@ -7,6 +7,9 @@ process was restarted (its PIDs), and the exit code. Prints one Markdown table.
 
     python experiments/recovery/kill_a_node.py --runs 3
 
+``--busy`` runs one CPU-bound process per core beside the job (a busy machine); ``--only TEXT`` keeps the
+configurations whose label contains TEXT.
+
 ``--rejoin``: the lost node's agent is started again 5 s after the kill (``python -m hybrid.runtime.agent JOB_DIR
 NODE``); the figure is then the time from that start to the next completed step on 3 nodes.
 """
@@ -131,12 +134,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rejoin", action="store_true", help="start the lost node's agent again 5 s later")
+    parser.add_argument("--busy", action="store_true", help="one CPU-bound process per core beside every run")
+    parser.add_argument("--only", default="", help="run only the configurations whose label contains this")
     args = parser.parse_args()
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)] \
+        if args.busy else []
+    try:
+        _table(args)
+    finally:
+        for burner in burners:
+            burner.kill()
+
+
+def _table(args: argparse.Namespace) -> None:
     what = "agent started again -> next completed step on 3 nodes" if args.rejoin else "kill -> next completed step"
     print(f"| configuration | {what} (s), each run | median | continued from step | "
           "survivors' processes kept | exit, steps, replicas |")
     print("| --- | --- | --- | --- | --- | --- |")
     for label, nproc, comm, lost, recovery in REJOIN_CONFIGS if args.rejoin else CONFIGS:
+        if args.only not in label:
+            continue
         runs = []
         for _ in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="hybrid-recovery-") as where:

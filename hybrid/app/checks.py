@@ -80,6 +80,10 @@ def check_torchrun_layout(cfg: TrainConfig, overrides: list[str]) -> None:
 
 
 def check_testbed(cfg: TrainConfig) -> None:
+    if cfg.cluster.rdzv_backend == "etcd" and not cfg.cluster.rdzv_endpoint and in_submitit_task():
+        raise ValueError("cluster.rdzv_backend=etcd under hydra/launcher=slurm needs cluster.rdzv_endpoint=H1:P1,H2:P2,"
+                         "... (the members of an etcd cluster you run): hybrid starts one only for a local or "
+                         "testbed job")
     if not cfg.cluster.testbed.enabled:
         if cfg.cluster.testbed.cpu_quota is not None:
             raise ValueError(f"cluster.testbed.cpu_quota={cfg.cluster.testbed.cpu_quota} limits the testbed's nodes: "

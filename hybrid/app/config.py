@@ -79,6 +79,9 @@ INTRA_MODES = ("process", "thread")
 # processes stay, rebuild their process groups and continue from the last step they completed (hybrid.app.state.in_place).
 IN_PLACE = "in_place"
 RECOVERY_MODES = ("restart", IN_PLACE)
+# cluster.rdzv_backend: where the agents meet and the workers agree in place (docs/reliability.md). c10d: one
+# TCPStore (node 0's agent, or a process of its own off the nodes); etcd: a replicated etcd cluster.
+RDZV_BACKENDS = ("c10d", "etcd")
 
 
 @dataclass
@@ -130,8 +133,13 @@ class ClusterConfig:
     # HOST:PORT of a rendezvous store that no training node hosts (one you run, e.g. python -m
     # hybrid.runtime.rdzv_store HOST PORT, or any c10d TCPStore server): every node's agent joins it as a client,
     # so losing any node, node 0 included, is survivable. "": node 0 hosts it (an elastic local job runs its own
-    # off the nodes). Not with the testbed, which runs its own in a namespace of its own.
+    # off the nodes). Not with the testbed, which runs its own in a namespace of its own. With
+    # rdzv_backend=etcd: the members of an etcd cluster, H1:P1,H2:P2,... (any, Slurm and torchrun included).
     rdzv_endpoint: str = ""
+    # Where the agents rendezvous and the workers agree in place: c10d (one TCPStore, as above) or etcd (a
+    # replicated store: losing one of its members loses nothing; a local or testbed job without rdzv_endpoint
+    # starts a 3-member cluster of Debian's etcd-server for itself).
+    rdzv_backend: str = "c10d"
     # How an elastic job (min_nnodes < nnodes) survives a lost node: restart (every worker restarts and resumes
     # from the last checkpoint) or in_place (no process restarts: the survivors rebuild their groups and go on
     # from the last step they completed; process mode, comm ddp/flat/hierarchical/sharded/auto).
@@ -490,6 +498,25 @@ def _validate_recovery(c: ClusterConfig, comm: str) -> None:
                          "process mode (comm ddp, flat, hierarchical, sharded, auto); use cluster.recovery=restart")
 
 
+def _validate_etcd(c: ClusterConfig) -> None:
+    """cluster.rdzv_endpoint names etcd members (or is empty: the launcher starts them), and etcd can be used."""
+    from hybrid.runtime.etcd_cluster import etcd_client_missing, etcd_missing
+    from hybrid.runtime.etcd_store import members_of
+
+    if c.rdzv_endpoint:
+        try:
+            members_of(c.rdzv_endpoint)
+        except ValueError as exc:
+            raise ValueError(f"cluster.rdzv_endpoint={c.rdzv_endpoint!r}: {exc} (cluster.rdzv_backend=etcd: the "
+                             "members, H1:P1,H2:P2,...)") from None
+        if c.testbed.enabled:
+            raise ValueError(f"cluster.rdzv_endpoint={c.rdzv_endpoint!r} cannot be reached from the testbed's "
+                             "namespaces, which start their own etcd cluster: leave it empty")
+    missing = etcd_client_missing() if c.rdzv_endpoint else etcd_missing()
+    if missing:
+        raise ValueError(missing)
+
+
 def _validate_cluster(c: ClusterConfig) -> None:
     _at_least("cluster.nnodes", c.nnodes, 1)
     _at_least("cluster.nproc_per_node", c.nproc_per_node, 1)
@@ -499,7 +526,10 @@ def _validate_cluster(c: ClusterConfig) -> None:
         raise ValueError(f"cluster.rdzv_port={c.rdzv_port!r} must be 0 (derived from the Slurm job id) "
                          "or a port, 1-65535")
     _one_of("cluster.intra_mode", c.intra_mode, INTRA_MODES)
-    if c.rdzv_endpoint:
+    _one_of("cluster.rdzv_backend", c.rdzv_backend, RDZV_BACKENDS)
+    if c.rdzv_backend == "etcd":
+        _validate_etcd(c)
+    elif c.rdzv_endpoint:
         host, _, port = c.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise ValueError(f"cluster.rdzv_endpoint={c.rdzv_endpoint!r} must be HOST:PORT (a port 1-65535), or "

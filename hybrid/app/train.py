@@ -58,7 +58,7 @@ def launch_job(settings: TrainConfig, entrypoint: Any, args: tuple) -> list[Any]
 def _elastic(c: ClusterConfig) -> dict[str, Any]:
     """What every node's elastic agent is told about restarts and membership, local or under Slurm."""
     return {"max_restarts": c.restarts, "min_nnodes": c.min_nnodes or None, "last_call_s": c.rdzv_last_call_s,
-            "recovery": c.recovery}
+            "recovery": c.recovery, "rdzv_backend": c.rdzv_backend}
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

@@ -54,6 +54,7 @@ from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology, WorkerEnv, discover_topology
 from hybrid.runtime.distributed import broadcast_from_rank0, init_distributed, shutdown_distributed
 from hybrid.runtime.launch import PEER_GRACE_S, is_consequence
+from hybrid.runtime.quorum import JobEnded
 
 __all__ = ["buffer_sync", "run_in_place", "run_worker", "train_diloco", "train_hsdp", "train_process_mode", "train_thread_mode", "train_worker"]
 
@@ -95,7 +96,13 @@ def run_in_place(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None
     process stays, agrees with the other survivors on who is in, and trains on (:mod:`hybrid.app.state.in_place`)."""
     session = InPlace(cfg)
     try:
-        env = session.join() if session.joining else session.env
+        try:
+            if session.over:
+                raise JobEnded(f"worker {session.me.key}: the job had finished when this node came back")
+            env = session.join() if session.joining else session.env
+        except JobEnded as ended:
+            print(f"{ended}: nothing to join", file=sys.stderr, flush=True)
+            return None
         while True:
             init_distributed(cfg.comm.timeout_s, session.group_store(), env)
             try:

@@ -31,6 +31,7 @@ from typing import Any
 
 from hybrid.runtime.cpu_limit import join_deferred
 from hybrid.runtime.distributed import store_server
+from hybrid.runtime.etcd_store import ETCD_SCHEME, live_member
 from hybrid.runtime.rdzv_store import NODE_ENV, STORE_ENV
 
 __all__ = ["attempt_prefix", "name_process", "nodes_at_end_key", "run_agent", "run_forked_agent", "run_node"]
@@ -43,9 +44,11 @@ def attempt_prefix(run_id: str, master_addr: str, master_port: str | int) -> str
     return f"hybrid/in_place/{run_id}/{master_addr}:{master_port}"
 
 
-def nodes_at_end_key(prefix: str) -> str:
-    """Where the workers leave how many nodes finished: the agents' exit barrier waits for those only."""
-    return f"{prefix}/nodes_at_end"
+def nodes_at_end_key(run_id: str) -> str:
+    """Where the workers leave how many nodes finished: the agents' exit barrier waits for those only, and a
+    node that comes back after the job ended learns there that there is nothing left to join. One per job
+    (not per rendezvous round: a node that joins in place starts a round the running workers never see)."""
+    return f"hybrid/in_place/{run_id}/nodes_at_end"
 
 
 EXIT_BARRIER_S = 300.0  # torch's own
@@ -81,8 +84,7 @@ def _agent_class(keep_workers_on_join: bool = False) -> Any:
             group = self._worker_group
             store = self._store
             raw = getattr(store, "underlying_store", store)
-            key = nodes_at_end_key(attempt_prefix(group.spec.rdzv_handler.get_run_id(), group.master_addr,
-                                                  group.master_port))
+            key = nodes_at_end_key(group.spec.rdzv_handler.get_run_id())
             if not raw.check([key]):
                 return super()._exit_barrier()
             nodes = int(raw.get(key))
@@ -158,6 +160,7 @@ def run_node(
     start_method: str = "spawn",
     external_store: bool = False,
     keep_workers_on_join: bool = False,
+    rdzv_backend: str = "c10d",
 ) -> dict[int, Any]:
     """Run this node's elastic agent and its workers; return the workers' results by global rank.
 
@@ -174,10 +177,15 @@ def run_node(
     ``external_store``: the store at ``rdzv_endpoint`` is off the nodes (:mod:`hybrid.runtime.rdzv_store`):
     every agent joins it as a client, node 0 included. ``keep_workers_on_join`` (recovery in place): a node
     that comes back is taken into the rendezvous without restarting this node's workers (:func:`_agent_class`).
+    ``rdzv_backend="etcd"``: ``rdzv_endpoint`` names the members of an etcd cluster (``H1:P1,H2:P2,...``), which
+    torch's etcd-v2 rendezvous and the workers' quorum use (:mod:`hybrid.runtime.etcd_store`); no node hosts it.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    _prepare_agent(node_rank, rdzv_endpoint if external_store else None, keep_workers_on_join)
+    on_etcd = rdzv_backend == "etcd"
+    external_store = external_store or on_etcd
+    _prepare_agent(node_rank, (ETCD_SCHEME + rdzv_endpoint if on_etcd else rdzv_endpoint) if external_store else None,
+                   keep_workers_on_join)
     # Kept alive (referenced) until the job ends.
     hosts = node_rank == 0 and not external_store
     server = store_server(*_split(rdzv_endpoint), timeout_s) if hosts and bind_store else None
@@ -186,8 +194,12 @@ def run_node(
     rdzv_configs: dict[str, Any] = {"is_host": hosts, "join_timeout": int(timeout_s)}
     if minimum < nnodes:
         rdzv_configs.update(last_call_timeout=int(last_call_s), keep_alive_interval=1, keep_alive_max_attempt=3)
+    if on_etcd:  # torch's etcd-v2 backend takes one member and learns the others from it
+        del rdzv_configs["is_host"]
+        rdzv_endpoint = live_member(rdzv_endpoint)
     config = LaunchConfig(min_nodes=minimum, max_nodes=nnodes, nproc_per_node=nproc_per_node, run_id=run_id,
-                          rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint, rdzv_configs=rdzv_configs,
+                          rdzv_backend="etcd-v2" if on_etcd else "c10d", rdzv_endpoint=rdzv_endpoint,
+                          rdzv_configs=rdzv_configs,
                           max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method,
                           local_addr=local_addr)
     per_local_rank = elastic_launch(config, _rank_and_result)(entrypoint, *args)
@@ -280,7 +292,7 @@ def run_agent(job_dir: Path, node: int) -> int:
             max_restarts=int(meta.get("max_restarts", 0)), local_addr=meta["node_addresses"][node],
             min_nnodes=meta.get("min_nnodes"), last_call_s=int(meta.get("last_call_s", 10)),
             start_method=meta.get("start_method", "spawn"), external_store=bool(meta.get("external_store")),
-            keep_workers_on_join=meta.get("recovery") == "in_place",
+            keep_workers_on_join=meta.get("recovery") == "in_place", rdzv_backend=meta.get("rdzv_backend", "c10d"),
         )
         _write_result(job_dir, node, "ok", by_rank, LAST_MEMBERSHIP_NODES[0])
         return 0

@@ -122,8 +122,9 @@ def socket_inodes() -> set[str]:
     return found
 
 
-def cut_connections(keep: tuple[str, int], spare: set[str]) -> int:
-    """Shut down every connected TCP socket of this process except those to ``keep`` (the store) and those in
+def cut_connections(keep: list[tuple[str, int]], spare: set[str]) -> int:
+    """Shut down every connected TCP socket of this process except those to ``keep`` (the store, or each
+    member of an etcd cluster) and those in
     ``spare`` (:func:`socket_inodes` taken before any group existed: a forked worker shares its agent's
     sockets, and shutting one down would cut the agent's too). This is what a gloo group's abort does not
     do: gloo closes a group's connections only when the last reference to the group goes, and a collective
@@ -134,7 +135,7 @@ def cut_connections(keep: tuple[str, int], spare: set[str]) -> int:
     fds = Path("/proc/self/fd")
     if not fds.is_dir():
         return 0
-    store = (socket.gethostbyname(keep[0]), keep[1])
+    stores = {(socket.gethostbyname(host), port) for host, port in keep}
     cut = 0
     for entry in list(fds.iterdir()):
         try:
@@ -147,7 +148,7 @@ def cut_connections(keep: tuple[str, int], spare: set[str]) -> int:
         try:
             if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
                 peer = sock.getpeername()[:2]
-                if (peer[0], peer[1]) != store:
+                if (peer[0], peer[1]) not in stores:
                     sock.shutdown(socket.SHUT_RDWR)
                     cut += 1
         except OSError:

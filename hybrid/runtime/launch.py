@@ -118,6 +118,7 @@ def launch_local(
     store_network: NodeNetwork | None = None,
     rdzv_endpoint: str | None = None,
     recovery: str = "restart",
+    rdzv_backend: str = "c10d",
 ) -> list[Any]:
     """Run ``entrypoint(*args)`` on every rank of ``layout``; return the results by rank.
 
@@ -137,6 +138,9 @@ def launch_local(
     :func:`_elastic_store`); ``rdzv_endpoint``: ``HOST:PORT`` of a store someone else runs, joined by every agent.
     ``recovery="in_place"``: a node that comes back (``python -m hybrid.runtime.agent JOB_DIR NODE``; each agent
     writes ``agent-NODE.pid`` there) joins without a restart of the others (:mod:`hybrid.app.state.in_place`).
+    ``rdzv_backend="etcd"``: the agents and workers meet in etcd, a replicated store: the members named by
+    ``rdzv_endpoint`` (``H1:P1,H2:P2,...``), else a 3-member cluster started for the job on loopback or
+    ``store_network`` (:mod:`hybrid.runtime.etcd_cluster`) and stopped after it.
     """
     _check_settings(start_method, max_restarts, timeout_s)
     nodes = list(nodes) if nodes is not None else [LOOPBACK] * layout.nnodes
@@ -145,9 +149,14 @@ def launch_local(
     minimum = min_nnodes or layout.nnodes
     if not 1 <= minimum <= layout.nnodes:
         raise ValueError(f"min_nnodes={min_nnodes} must be in 1..{layout.nnodes}")
-    store = _elastic_store(minimum < layout.nnodes and rdzv_endpoint is None, nodes, store_network)
+    if rdzv_backend not in ("c10d", "etcd"):
+        raise ValueError(f"rdzv_backend={rdzv_backend!r} must be c10d or etcd")
+    if rdzv_backend == "etcd":
+        store = _etcd_store(nodes, store_network) if rdzv_endpoint is None else None
+    else:
+        store = _elastic_store(minimum < layout.nnodes and rdzv_endpoint is None, nodes, store_network)
     job_dir = _write_job(layout, nodes, entrypoint, args, timeout_s, max_restarts, minimum, last_call_s, start_method,
-                         rdzv_endpoint or (store.endpoint if store is not None else None), recovery)
+                         rdzv_endpoint or (store.endpoint if store is not None else None), recovery, rdzv_backend)
     base_env = {**os.environ, **local_agent_env(layout.world_size), **(env or {})}
     agents: list[subprocess.Popen] = []
     try:
@@ -183,6 +192,18 @@ def _elastic_store(elastic: bool, nodes: Sequence[NodeNetwork], store_network: N
         return None
     port = free_port() if store_at == LOOPBACK else _RDZV_PORT_IN_NAMESPACE
     return start_store(store_at.address, port, store_at.prefix)
+
+
+def _etcd_store(nodes: Sequence[NodeNetwork], store_network: NodeNetwork | None) -> Any:
+    """The job's etcd cluster (three members) on loopback or ``store_network``, as :func:`_elastic_store`'s
+    store is: ``endpoint`` and ``stop()``."""
+    from hybrid.runtime.etcd_cluster import start_etcd
+
+    store_at = store_network or (LOOPBACK if nodes[0] == LOOPBACK else None)
+    if store_at is None:
+        raise ValueError("rdzv_backend=etcd on nodes in namespaces needs a store_network (the testbed's service "
+                         "network) or an rdzv_endpoint naming the members")
+    return start_etcd(store_at.address, store_at.prefix)
 
 
 # What the agents' fork server imports once, so that no agent pays it: torch, its elastic agent, our agent.
@@ -263,7 +284,7 @@ def _start_agent(job_dir: Path, node: int, network: NodeNetwork, env: dict[str, 
 
 def _write_job(layout: Layout, nodes: Sequence[NodeNetwork], entrypoint: Callable[..., Any], args: Sequence[Any],
                timeout_s: float, max_restarts: int, min_nnodes: int, last_call_s: int, start_method: str,
-               store_endpoint: str | None = None, recovery: str = "restart") -> Path:
+               store_endpoint: str | None = None, recovery: str = "restart", rdzv_backend: str = "c10d") -> Path:
     """A fresh job folder with what every agent reads: the rendezvous and layout, and the pickled entry point.
     ``store_endpoint``: a rendezvous store off the nodes (else node 0 hosts it)."""
     port = free_port() if nodes[0] == LOOPBACK else _RDZV_PORT_IN_NAMESPACE
@@ -282,6 +303,7 @@ def _write_job(layout: Layout, nodes: Sequence[NodeNetwork], entrypoint: Callabl
         "last_call_s": last_call_s,
         "start_method": start_method,
         "recovery": recovery,
+        "rdzv_backend": rdzv_backend,
     }
     (job_dir / "meta.json").write_text(json.dumps(meta))
     (job_dir / "job.pkl").write_bytes(pickle.dumps((entrypoint, tuple(args))))

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from hybrid.core.topology import WorkerEnv
 
-__all__ = ["HEARTBEAT_S", "Heartbeat", "LeftOut", "Member", "Membership", "Quorum"]
+__all__ = ["HEARTBEAT_S", "Heartbeat", "JobEnded", "LeftOut", "Member", "Membership", "Quorum"]
 
 HEARTBEAT_S = 0.1
 
@@ -85,6 +85,10 @@ class Membership:
 
 class LeftOut(RuntimeError):
     """This worker is not in the membership the survivors decided."""
+
+
+class JobEnded(RuntimeError):
+    """The job this worker came to join has finished: nothing is left to do."""
 
 
 class Heartbeat:
@@ -153,10 +157,12 @@ class Quorum:
         key = f"{self.prefix}/epoch"
         return int(self.store.get(key)) if self.store.check([key]) else None
 
-    def join(self, me: Member, node_size: int, timeout_s: float | None = None) -> Membership:
+    def join(self, me: Member, node_size: int, timeout_s: float | None = None, ended_key: str | None = None
+             ) -> Membership:
         """Register this worker of a node of ``node_size`` workers to join the next epoch; return the
         membership that takes it in (registering again for the one after where a decision came first), or
-        raise ``TimeoutError`` after ``timeout_s`` (default: the agreement's)."""
+        raise ``TimeoutError`` after ``timeout_s`` (default: the agreement's), :class:`JobEnded` once
+        ``ended_key`` is set (the job finished while this worker waited)."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while time.monotonic() < deadline:
             epoch = (self.current_epoch() or 0) + 1
@@ -164,10 +170,19 @@ class Quorum:
             self.store.set(f"{base}/in/{me.key}", pickle.dumps((-1, os.getpid())))
             index = self.store.add(f"{base}/joiners", 1) - 1
             self.store.set(f"{base}/joiner/{index}", pickle.dumps((me.node, me.local_rank, node_size)))
-            self.store.wait([f"{base}/decision"], timedelta(seconds=max(1.0, deadline - time.monotonic())))
-            membership = pickle.loads(self.store.get(f"{base}/decision"))
-            if (me.node, me.local_rank) in [(m.node, m.local_rank) for m in membership.members]:
-                return membership
+            while not self.store.check([f"{base}/decision"]):
+                if ended_key is not None and self.store.check([ended_key]):
+                    raise JobEnded(f"worker {me.key}: the job finished before it could join")
+                if time.monotonic() > deadline:
+                    break
+                try:  # in slices, to look at ended_key in between
+                    self.store.wait([f"{base}/decision"], timedelta(seconds=1.0))
+                except Exception:  # noqa: BLE001 - a wait that timed out (torch raises its own kinds): look again
+                    pass
+            else:
+                membership = pickle.loads(self.store.get(f"{base}/decision"))
+                if (me.node, me.local_rank) in [(m.node, m.local_rank) for m in membership.members]:
+                    return membership
         raise TimeoutError(f"worker {me.key} found no membership to join within {timeout_s or self.timeout_s:g} s")
 
     def agree(self, current: Membership, me: Member) -> Membership:

@@ -95,13 +95,14 @@ class SlurmNode:
 
     def run(self, nproc: int, entrypoint: Callable[..., Any], args: Sequence[Any], *,
             timeout_s: float, max_restarts: int = 0, min_nnodes: int | None = None,
-            last_call_s: int = 10, recovery: str = "restart") -> dict[int, Any]:
+            last_call_s: int = 10, recovery: str = "restart", rdzv_backend: str = "c10d") -> dict[int, Any]:
         """Run this node's agent and its ``nproc`` workers; their return values by global rank (this node's).
 
         ``timeout_s`` bounds the rendezvous: how long the first node waits for the last.
         A failed worker raises torch's ``ChildFailedError``. ``min_nnodes``, ``last_call_s``: elastic
-        membership, and ``recovery``, as in :func:`hybrid.runtime.agent.run_node` (whether Slurm lets the other tasks run on
-        after one fails is Slurm's policy: ``srun --no-kill`` / ``--kill-on-bad-exit=0``).
+        membership, ``recovery`` and ``rdzv_backend`` (etcd: the members named by ``cluster.rdzv_endpoint``), as
+        in :func:`hybrid.runtime.agent.run_node` (whether Slurm lets the other tasks run on after one fails is
+        Slurm's policy: ``srun --no-kill`` / ``--kill-on-bad-exit=0``).
         """
         from hybrid.runtime.agent import run_node
 
@@ -127,5 +128,5 @@ class SlurmNode:
             run_id=f"hybrid-{self.job_id}", rdzv_endpoint=self.rdzv_endpoint, timeout_s=timeout_s,
             max_restarts=max_restarts, local_addr=_LOCALHOST if self.local else None, bind_store=self.local,
             min_nnodes=min_nnodes, last_call_s=last_call_s, external_store=bool(self.external_endpoint),
-            keep_workers_on_join=recovery == "in_place",
+            keep_workers_on_join=recovery == "in_place", rdzv_backend=rdzv_backend,
         )

@@ -41,6 +41,7 @@ from hybrid.app.state.held import HeldState, checkpoint_meta
 from hybrid.core.topology import Topology, WorkerEnv
 from hybrid.runtime.agent import attempt_prefix, nodes_at_end_key
 from hybrid.runtime.distributed import cut_connections, socket_inodes
+from hybrid.runtime.etcd_store import connect_store, members_of
 from hybrid.runtime.launch import is_consequence
 from hybrid.runtime.quorum import HEARTBEAT_S, Member, Membership, Quorum
 from hybrid.runtime.rdzv_store import NODE_ENV, STORE_ENV
@@ -58,17 +59,22 @@ class InPlace:
 
     def __init__(self, cfg: TrainConfig) -> None:
         endpoint = os.environ.get(STORE_ENV, "")
-        if ":" not in endpoint:
+        try:
+            self.endpoint = members_of(endpoint)  # the store, or every member of an etcd cluster
+        except ValueError:
             raise RuntimeError(f"cluster.recovery=in_place needs a rendezvous store that no training node hosts, "
-                               f"named by {STORE_ENV}=HOST:PORT (hybrid's launcher sets it for elastic jobs: "
-                               f"cluster.min_nnodes < cluster.nnodes); got {endpoint!r}")
-        host, port = endpoint.rsplit(":", 1)
-        self.endpoint = (host, int(port))
+                               f"named by {STORE_ENV}=HOST:PORT or etcd://HOST:PORT,... (hybrid's launcher sets it "
+                               f"for elastic jobs: cluster.min_nnodes < cluster.nnodes); got {endpoint!r}") from None
         timeout = timedelta(seconds=cfg.comm.timeout_s)
-        self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        self.store = connect_store(endpoint, timeout)
         self.prefix = attempt_prefix(os.environ.get("TORCHELASTIC_RUN_ID", "none"), os.environ.get("MASTER_ADDR", ""),
                                      os.environ.get("MASTER_PORT", ""))
-        self.live_key = f"hybrid/in_place/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/live"
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        self.live_key = f"hybrid/in_place/{run_id}/live"
+        # Set once the job's workers finish: a node that comes back later has nothing to join (and must not
+        # start a training of its own in the job's run directory).
+        self.ended_key = nodes_at_end_key(run_id)
+        self.over = self.store.check([self.ended_key])
         # A node that comes back starts in a rendezvous round of its own: where the job's workers are still
         # training under another attempt's keys, this one joins them rather than starting a membership.
         live = self.store.get(self.live_key).decode() if self.store.check([self.live_key]) else None
@@ -84,7 +90,7 @@ class InPlace:
         # The heartbeat's own client: a blocking wait on the other never holds it up. When a node registers
         # to join, it makes this worker's collectives fail, so that the next agreement takes the node in.
         self._heart = self.quorum.heartbeat(
-            self.me, dist.TCPStore(host, int(port), is_master=False, timeout=timeout),
+            self.me, connect_store(endpoint, timeout),
             epoch=lambda: self.membership.epoch if self.membership is not None else None,
             on_joiner=self._make_room)
         self.cfg = cfg
@@ -117,7 +123,7 @@ class InPlace:
         started = time.monotonic()
         # Twice the collective timeout: a running worker whose collective was in flight when the join began
         # can wait out its timeout before it meets the others (seen in about one join in eight here).
-        new = self.quorum.join(self.me, self.env.local_world_size, 2 * self.cfg.comm.timeout_s + 10)
+        new = self.quorum.join(self.me, self.env.local_world_size, 2 * self.cfg.comm.timeout_s + 10, self.ended_key)
         old = self.quorum.decided(new.epoch - 1)
         self.membership = new
         env = new.env_of(self.me.node, self.me.local_rank)
@@ -176,7 +182,7 @@ class InPlace:
     def finished(self) -> None:
         """Say how many nodes finished, for the agents' exit barrier (lost nodes' agents never arrive there)."""
         if self.membership is not None:
-            self.store.set(nodes_at_end_key(self.prefix), str(len(self.membership.nodes)))
+            self.store.set(self.ended_key, str(len(self.membership.nodes)))
 
     def close(self) -> None:
         self._heart.stop()

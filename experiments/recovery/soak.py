@@ -1,0 +1,288 @@
+"""A long run with losses and returns, recovery in place: does anything grow?
+
+``python -m hybrid.train`` on 2x2 (``cluster.min_nnodes=1``, ``cluster.recovery=in_place``) for ``--steps`` steps,
+a checkpoint every ``--checkpoint-every``; every ``--kill-every`` steps node 1's agent and workers are SIGKILLed
+and, once the survivors go on, its agent is started again (``python -m hybrid.runtime.agent JOB_DIR 1``, as the
+launcher started it) and joins in place. Every ``--sample-s`` seconds each worker's resident memory (VmRSS) and
+open file descriptors are read from /proc, with the step rank 0 last printed.
+
+Writes ``OUT/soak.json`` (the samples, each loss and return with its timings, the run's metrics) and
+``OUT/soak.png`` (RSS and descriptors per worker against the step), and prints the figures: each of node 0's
+workers (the processes that live through every loss and return) RSS growth between step ``--from-step`` and the
+end, and its descriptors' range over that span.
+
+    python experiments/recovery/soak.py --steps 5000 --kill-every 1000 --out experiments/recovery/soak
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _tree() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            tree.setdefault(parent, []).append(int(entry))
+    return tree
+
+
+def _under(pid: int, tree: dict[int, list[int]] | None = None) -> list[int]:
+    tree, out, todo = tree or _tree(), [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _rss_kb(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _fds(pid: int) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+class Output:
+    """The job's output, read by a thread: the last step rank 0 printed, and waits for a pattern."""
+
+    def __init__(self, proc: subprocess.Popen, log: Path) -> None:
+        self.proc, self.step, self.lines = proc, 0, []
+        self._cond = threading.Condition()
+        self._log = log.open("w")
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._log.write(line)
+            with self._cond:
+                self.lines.append(line)
+                if found := re.match(r"^step (\d+)/", line):
+                    self.step = int(found.group(1))
+                self._cond.notify_all()
+        self._log.close()
+        with self._cond:
+            self.lines.append(None)
+            self._cond.notify_all()
+
+    def wait_step(self, step: int, timeout_s: float = 600) -> int:
+        """Once rank 0 has printed step ``step`` or a later one: the index of the next line to read."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self.step < step:
+                if self.lines and self.lines[-1] is None:
+                    raise RuntimeError(f"the job ended before step {step}:\n{''.join(self.lines[-30:-1])}")
+                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())) and \
+                        time.monotonic() > deadline:
+                    raise RuntimeError(f"never saw step {step} within {timeout_s:g} s")
+            return len(self.lines)
+
+    def wait_for(self, pattern: str, after: int, timeout_s: float = 600) -> tuple[int, re.Match]:
+        """The first line at index >= ``after`` matching ``pattern``: (its index, the match)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                for i in range(after, len(self.lines)):
+                    if self.lines[i] is None:
+                        raise RuntimeError(f"the job ended before {pattern!r}:\n{''.join(self.lines[-30:-1])}")
+                    if found := re.search(pattern, self.lines[i]):
+                        return i, found
+                after = len(self.lines)
+                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())) and \
+                        time.monotonic() > deadline:
+                    raise RuntimeError(f"never saw {pattern!r} within {timeout_s:g} s")
+
+
+def _start_again(job_pid: int, agent: int, world: int) -> subprocess.Popen:
+    """Node 1's agent, started again the way the launcher started it (its job folder found by its pid file)."""
+    from hybrid.runtime.launch import local_agent_env
+
+    pid_file = next(p for p in Path(tempfile.gettempdir()).glob("hybrid-job-*/agent-1.pid")
+                    if p.read_text() == str(agent))
+    return subprocess.Popen([sys.executable, "-m", "hybrid.runtime.agent", str(pid_file.parent), "1"],
+                            env={**os.environ, **local_agent_env(world), "GLOO_SOCKET_IFNAME": "lo"},
+                            start_new_session=True)
+
+
+def soak(args: argparse.Namespace, where: Path) -> dict:
+    job = subprocess.Popen(
+        [sys.executable, "-m", "hybrid.train", "cluster.nnodes=2", "cluster.nproc_per_node=2", "cluster.min_nnodes=1",
+         "cluster.rdzv_last_call_s=2", "cluster.recovery=in_place", "comm=hierarchical", "comm.timeout_s=60",
+         f"trainer.max_steps={args.steps}", f"trainer.checkpoint_every={args.checkpoint_every}",
+         "trainer.log_every=1", "model.width=512", "data.num_samples=4096", f"data.root={where / 'data'}",
+         "hydra.run.dir=run"], cwd=where, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = Output(job, args.out / "soak.log")
+    samples: list[dict] = []
+    events: list[dict] = []
+    again: list[subprocess.Popen] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            tree = _tree()
+            roots = [job.pid, *(a.pid for a in again if a.poll() is None)]
+            now, step = time.monotonic(), out.step
+            for root in roots:
+                for pid in [root, *_under(root, tree)] if root != job.pid else _under(root, tree):
+                    name = _name(pid)
+                    if name.startswith("hybrid-rank-"):
+                        agent = next((a for a in [root, *_under(root, tree)] if pid in tree.get(a, [])), None)
+                        node = _name(agent).removeprefix("hybrid-agent-") if agent else "?"
+                        rss, fds = _rss_kb(pid), _fds(pid)
+                        if rss is not None and fds is not None:
+                            samples.append({"t": now - started, "step": step, "pid": pid, "node": node,
+                                            "rss_kb": rss, "fds": fds})
+            stop.wait(args.sample_s)
+
+    started = time.monotonic()
+    out.wait_for(r"^step 1/", 0)
+    threading.Thread(target=sample, daemon=True).start()
+    seen = 0
+    try:
+        for target in range(args.kill_every, args.steps, args.kill_every):
+            seen = out.wait_step(target)
+            tree = _tree()
+            agents = [p for p in _under(job.pid, tree) + [a.pid for a in again if a.poll() is None]
+                      if _name(p) == "hybrid-agent-1"]
+            victim = agents[-1]
+            killed = [victim, *_under(victim, tree)]
+            at = out.step
+            for pid in killed:
+                os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            seen, found = out.wait_for(r"^resumed from step (\d+)", seen)
+            lost_s = time.monotonic() - t0
+            seen, _ = out.wait_for(r"^step \d+/", seen)
+            t1 = time.monotonic()
+            again.append(_start_again(job.pid, victim, 4))
+            seen, back = out.wait_for(r"^resumed from step (\d+)", seen)
+            join_s = time.monotonic() - t1
+            seen, _ = out.wait_for(r"^step \d+/", seen)
+            events.append({"killed_at_step": at, "continued_from": int(found.group(1)), "lost_to_resumed_s": lost_s,
+                           "rejoined_from": int(back.group(1)), "agent_start_to_resumed_s": join_s,
+                           "agent_start_to_next_step_s": time.monotonic() - t1})
+            print(f"step {at}: node 1 lost, resumed in {lost_s:.2f} s; back, resumed in {join_s:.2f} s",
+                  flush=True)
+        code = job.wait(timeout=3600)
+    finally:
+        stop.set()
+        if job.poll() is None:
+            job.kill()
+        for agent in again:
+            try:
+                agent.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+    metrics = json.loads((where / "run" / "metrics.json").read_text()) if code == 0 else {}
+    return {"exit": code, "wall_s": time.monotonic() - started, "events": events, "samples": samples,
+            "metrics": {k: metrics.get(k) for k in ("steps", "nnodes", "world_size", "param_checksums_identical",
+                                                    "membership")}}
+
+
+def summarize(result: dict, from_step: int) -> list[str]:
+    """Each node-0 worker's RSS growth from ``from_step`` to the end and its descriptors' range there."""
+    lines = []
+    by_pid: dict[int, list[dict]] = {}
+    for s in result["samples"]:
+        by_pid.setdefault(s["pid"], []).append(s)
+    for pid, rows in sorted(by_pid.items()):
+        if rows[0]["node"] != "0":
+            continue
+        span = [r for r in rows if r["step"] >= from_step]
+        if len(span) < 2:
+            continue
+        first, last = span[0]["rss_kb"], span[-1]["rss_kb"]
+        fds = [r["fds"] for r in span]
+        lines.append(f"worker pid {pid} (node 0): RSS {first / 1024:.1f} MB at step {span[0]['step']} -> "
+                     f"{last / 1024:.1f} MB at step {span[-1]['step']} ({100 * (last - first) / first:+.2f}%); "
+                     f"open descriptors {min(fds)}..{max(fds)}")
+    return lines
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    by_pid: dict[int, list[dict]] = {}
+    for s in result["samples"]:
+        by_pid.setdefault(s["pid"], []).append(s)
+    for pid, rows in sorted(by_pid.items()):
+        style = "-" if rows[0]["node"] == "0" else ":"
+        label = f"node {rows[0]['node']} pid {pid}" if rows[0]["node"] == "0" else None
+        top.plot([r["step"] for r in rows], [r["rss_kb"] / 1024 for r in rows], style, label=label)
+        bottom.plot([r["step"] for r in rows], [r["fds"] for r in rows], style)
+    for event in result["events"]:
+        for axis in (top, bottom):
+            axis.axvline(event["killed_at_step"], color="grey", alpha=0.3)
+    top.set_ylabel("RSS (MB)")
+    bottom.set_ylabel("open descriptors")
+    bottom.set_xlabel("step (grey: node 1 SIGKILLed, then started again)")
+    top.legend(fontsize=8)
+    top.set_title("2x2 in place: each worker's memory and descriptors (dotted: node 1's, new after each return)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--kill-every", type=int, default=1000)
+    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--sample-s", type=float, default=0.5)
+    parser.add_argument("--from-step", type=int, default=1000, help="where RSS growth is measured from")
+    parser.add_argument("--out", type=Path, default=HERE / "soak")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="hybrid-soak-") as where:
+        result = soak(args, Path(where))
+    (args.out / "soak.json").write_text(json.dumps(result))
+    plot(result, args.out / "soak.png")
+    print(f"exit {result['exit']}, {result['metrics']['steps']} steps in {result['wall_s']:.0f} s, replicas "
+          f"{'identical' if result['metrics']['param_checksums_identical'] else 'NOT identical'}")
+    for event in result["events"]:
+        print(f"  killed at step {event['killed_at_step']}: resumed from {event['continued_from']} in "
+              f"{event['lost_to_resumed_s']:.2f} s; agent started again -> resumed in "
+              f"{event['agent_start_to_resumed_s']:.2f} s")
+    for line in summarize(result, args.from_step):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
