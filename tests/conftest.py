@@ -1,6 +1,7 @@
-"""Every test carries exactly one tier marker (``unit``, ``multiprocess``, ``testbed``, ``packaging``, ``slurm``:
-see ``pytest --markers``), so ``pytest -m unit`` is a complete inner loop and no test slips in untiered. The
-``slurm`` tier runs only with ``--slurm`` (``.ci/run`` runs it after the suite, on a real Slurm testbed).
+"""Every test carries exactly one tier marker (``unit``, ``multiprocess``, ``testbed``, ``packaging``, ``slurm``,
+``etcd``: see ``pytest --markers``), so ``pytest -m unit`` is a complete inner loop and no test slips in untiered.
+The ``slurm`` and ``etcd`` tiers run only with ``--slurm`` and ``--etcd`` (``.ci/run`` runs them after the suite,
+where it can install Debian's packages they need).
 
 The one-process tiers run first (unit, then packaging), and the jobs the selected tests declared in
 :mod:`helpers.background` start beside them, on the core they leave free."""
@@ -17,21 +18,25 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import background  # noqa: E402 (after the path above)
 
-TIERS = ("unit", "multiprocess", "testbed", "packaging", "slurm")
+TIERS = ("unit", "multiprocess", "testbed", "packaging", "slurm", "etcd")
+# Tiers that need Debian's packages: run only with their option (.ci/run installs the packages, then runs them).
+OPT_IN = {"slurm": "a real Slurm cluster on the testbed: root and Debian's Slurm packages",
+          "etcd": "a real etcd cluster: Debian's etcd-server and the python-etcd client"}
 FIRST = {"unit": 0, "packaging": 1}  # then the rest, in file order
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--slurm", action="store_true",
-                     help="run the slurm tier (a real Slurm cluster on the testbed: root and Debian's Slurm packages)")
+    for tier, needs in OPT_IN.items():
+        parser.addoption(f"--{tier}", action="store_true", help=f"run the {tier} tier ({needs})")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     untiered = []
-    skip_slurm = pytest.mark.skip(reason="the slurm tier runs with --slurm (.ci/run runs it after the suite)")
     for item in items:
-        if item.get_closest_marker("slurm") and not config.getoption("--slurm"):
-            item.add_marker(skip_slurm)
+        for tier in OPT_IN:
+            if item.get_closest_marker(tier) and not config.getoption(f"--{tier}"):
+                item.add_marker(pytest.mark.skip(reason=f"the {tier} tier runs with --{tier} (.ci/run runs it after "
+                                                        "the suite)"))
         tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
         if len(tiers) != 1:
             untiered.append(f"{item.nodeid} has {tiers or 'none'}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -195,6 +196,11 @@ def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membersh
     """3 nodes, cluster.min_nnodes=2: node ``lost``'s agent and its workers are SIGKILLed after the step-10
     checkpoint. The other two re-rendezvous, rebuild their groups over two nodes, resume from the last
     checkpoint on the smaller world and finish every step with identical replicas."""
+    a_node_killed_restart(nproc, comm, lost, tmp_path)
+
+
+def a_node_killed_restart(nproc: int, comm: str, lost: int, tmp_path: Path, store: tuple[str, ...] = ()) -> None:
+    """The test above, its job's rendezvous on ``store`` (extra overrides: tests/test_etcd.py runs it on etcd)."""
     import json
     import os
     import signal
@@ -202,7 +208,7 @@ def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membersh
 
     # No cluster.max_restarts: an elastic job gets one restart per node it may lose.
     job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
-              "cluster.rdzv_last_call_s=2", f"comm={comm}", "comm.timeout_s=60",
+              "cluster.rdzv_last_call_s=2", f"comm={comm}", "comm.timeout_s=60", *store,
               *(["comm.sync_every=4"] if comm == "diloco" else []),
               "trainer.max_steps=30", "trainer.checkpoint_every=5", "trainer.log_every=1", "model.width=512",
               "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
@@ -240,6 +246,13 @@ def test_in_place_a_killed_node_costs_no_restart_and_at_most_the_step_in_flight(
     SIGKILLed mid-run. The other nodes' workers are the same processes before and after; they agree on the
     new membership, continue from the last step one of them completed (no checkpoint read), finish every
     step with identical replicas, and leave no process behind."""
+    a_node_killed_in_place(nproc, comm, lost, tmp_path)
+
+
+def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, store: tuple[str, ...] = (),
+                           mid_run: Callable[[list[int]], None] | None = None) -> None:
+    """The test above, its job's rendezvous on ``store``; ``mid_run(pids)`` runs after step 5, before the node is
+    killed after step 11, given every process of the job (tests/test_etcd.py kills an etcd member there)."""
     import json
     import os
     import signal
@@ -248,7 +261,7 @@ def test_in_place_a_killed_node_costs_no_restart_and_at_most_the_step_in_flight(
     from helpers.processes import workers
 
     job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
-              "cluster.recovery=in_place", f"comm={comm}", "comm.timeout_s=60",
+              "cluster.recovery=in_place", f"comm={comm}", "comm.timeout_s=60", *store,
               "trainer.max_steps=20", "trainer.checkpoint_every=5", "trainer.log_every=1", "trainer.elastic_lr=scale",
               "model.width=512", "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
     job.wait_for(r"^step 1/", timeout=180)
@@ -258,6 +271,9 @@ def test_in_place_a_killed_node_costs_no_restart_and_at_most_the_step_in_flight(
     before = workers(job.proc.pid)
     agent = agent_of_node(job.proc.pid, lost)
     killed = [agent, *descendants(agent)]
+    if mid_run is not None:
+        job.wait_for(r"^step 5/", timeout=180)
+        mid_run(everything)
     job.wait_for(r"^step 11/", timeout=180)
     for pid in killed:
         os.kill(pid, signal.SIGKILL)
@@ -290,6 +306,11 @@ def test_a_lost_node_started_again_rejoins_in_place_and_the_job_grows_back(tmp_p
     their processes both times and the returning node gets a survivor's state over the new group. The run ends
     on 3 nodes with every step done, the history shows the loss and the return, and every replica, the
     returned node's included, holds the same bits."""
+    a_lost_node_rejoins_in_place(tmp_path)
+
+
+def a_lost_node_rejoins_in_place(tmp_path: Path, store: tuple[str, ...] = ()) -> None:
+    """The test above, its job's rendezvous on ``store``."""
     import glob
     import json
     import os
@@ -304,7 +325,7 @@ def test_a_lost_node_started_again_rejoins_in_place_and_the_job_grows_back(tmp_p
     job = Job(tmp_path, "cluster.nnodes=3", "cluster.nproc_per_node=1", "cluster.min_nnodes=2",
               "cluster.rdzv_last_call_s=2", "cluster.recovery=in_place",
               # A join can cost a running worker its collective timeout (docs/reliability.md): kept short here.
-              "comm=hierarchical", "comm.timeout_s=20", "trainer.max_steps=400",
+              "comm=hierarchical", "comm.timeout_s=20", "trainer.max_steps=400", *store,
               "trainer.checkpoint_every=0",  # in place, nothing is read from disk
               "trainer.log_every=1", "model.width=1024", "data.num_samples=2048", f"data.root={tmp_path / 'data'}",
               "hydra.run.dir=run")
