@@ -148,7 +148,7 @@ BAD = [
     (["cluster.max_restarts=-2"], "cluster.max_restarts=-2 must be >= -1"),
     (["cluster.rdzv_endpoint=nohost"], "cluster.rdzv_endpoint='nohost' must be HOST:PORT (a port 1-65535)"),
     (["cluster.rdzv_backend=zookeeper"], "cluster.rdzv_backend='zookeeper' is not one of c10d, etcd"),
-    (["cluster.rdzv_backend=etcd", "cluster.rdzv_endpoint=h1:2379,h2"],
+    (["cluster.rdzv_backend=etcd", "cluster.rdzv_endpoint='h1:2379,h2'"],  # quoted: Hydra splits a bare a,b
      "cluster.rdzv_endpoint='h1:2379,h2': etcd member 'h2' must be HOST:PORT (a port 1-65535)"),
     (["cluster.rdzv_endpoint=10.0.0.1:29400", "cluster.testbed.enabled=true"],
      "cluster.rdzv_endpoint='10.0.0.1:29400' cannot be reached from the testbed's namespaces"),
