@@ -360,3 +360,73 @@ def a_lost_node_rejoins_in_place(tmp_path: Path, store: tuple[str, ...] = ()) ->
     assert "restart 1" not in out and kept == survivors  # nodes 1 and 2: the same processes throughout
     assert metrics["membership"][1]["step"] < metrics["membership"][2]["step"] < 400
     assert all_gone([*everything, again.pid], within_s=15)
+
+
+@pytest.mark.background  # mostly waits (torchrun's start, the lost node's heartbeat)
+def test_in_place_under_two_real_torchrun_agents_and_the_survivors_agent_exits_at_once(tmp_path):
+    """Two ``torchrun`` agents (``--nnodes 1:2``, c10d rendezvous on a store off the nodes, hybrid's
+    ``python -m hybrid.runtime.rdzv_store``), ``cluster.recovery=in_place`` with nothing exported: node 1's
+    torchrun and its worker are SIGKILLed after step 11. Node 0's worker keeps its process, continues on one
+    node, finishes every step, and its torchrun exits 0 well before torch's 300 s exit barrier (the workers
+    count the lost agent in there)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    from hybrid.runtime.launch import free_port
+    from hybrid.runtime.rdzv_store import start_store
+
+    from helpers.background import track
+
+    store = start_store("127.0.0.1", free_port())
+    try:
+        torchrun = str(Path(sys.executable).with_name("torchrun"))
+        args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", store.endpoint,
+                "--rdzv-id", "in-place", "--max-restarts", "1", "--monitor-interval", "0.1", "-m", "hybrid.train",
+                "cluster.nnodes=2", "cluster.nproc_per_node=1", "cluster.min_nnodes=1", "cluster.max_restarts=1",
+                "cluster.recovery=in_place", f"cluster.rdzv_endpoint={store.endpoint}", "comm=hierarchical",
+                "comm.timeout_s=30", "trainer.max_steps=60", "trainer.log_every=1", "model.width=512",
+                "data.num_samples=1024", f"data.root={tmp_path / 'data'}", f"hydra.run.dir={tmp_path / 'run'}"]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+        agents = [track(subprocess.Popen([torchrun, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True, start_new_session=True))
+                  for _ in range(2)]
+        outputs: list[list[str]] = [[], []]
+        readers = [threading.Thread(target=lambda a=a, o=o: o.extend(a.stdout), daemon=True)
+                   for a, o in zip(agents, outputs)]
+        for reader in readers:
+            reader.start()
+        try:
+            deadline = time.monotonic() + 180
+            while not any("step 11/" in "".join(o) for o in outputs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # Which torchrun runs rank 0 (it prints the steps) is the rendezvous's choice: the other one is lost.
+            first = next(i for i, o in enumerate(outputs) if "step 11/" in "".join(o))
+            lost = agents[1 - first]
+            before = set(descendants(agents[first].pid))
+            os.killpg(lost.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            agents[first].wait(timeout=120)  # torch's exit barrier alone would hold it 300 s
+            exited = time.monotonic() - killed
+            readers[first].join(timeout=10)
+            lost.wait(timeout=10)
+        finally:
+            for agent in agents:
+                if agent.poll() is None:
+                    os.killpg(agent.pid, signal.SIGKILL)
+        out = "".join(outputs[first])
+        output = out
+        assert agents[first].returncode == 0, output[-3000:]
+        metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+        assert metrics["steps"] == 60 and metrics["nnodes"] == 1 and metrics["param_checksums_identical"]
+        assert [m["why"] for m in metrics["membership"]] == ["start", "in place: node(s) [1] lost"]
+        assert "lost node(s)' agents counted in at torchrun's exit barrier" in output
+        assert "restart" not in " ".join(m["why"] for m in metrics["membership"])
+        assert before, "no worker under the surviving torchrun"
+        # Its agent exited with the job, not 300 s after it.
+        assert exited < 60 and all_gone(sorted(before), within_s=15)
+    finally:
+        store.stop()

@@ -199,6 +199,42 @@ def test_elastic_restart_resumes_and_ends_where_an_uninterrupted_run_ends(tmp_pa
     assert got["param_checksum"] == want["param_checksum"]  # bit-identical final parameters
 
 
+@pytest.mark.multiprocess
+@pytest.mark.background  # mostly waits: beside the first tiers
+def test_losing_the_single_rendezvous_store_ends_the_job_in_one_line_per_node_and_resume_finishes_it(tmp_path):
+    """2x1 elastic in place, its one c10d store (a process of its own) SIGKILLed after step 11: every process
+    exits within comm.timeout_s + 10 s, each agent and worker says so in one line that names the store (no
+    traceback, no C++ stack), the launcher exits 75 naming the last checkpoint, and trainer.resume=true
+    finishes the run from it."""
+    import time
+
+    timeout_s = 20
+    common = [*SLOW, "cluster.nnodes=2", "cluster.nproc_per_node=1", "cluster.min_nnodes=1", "cluster.recovery=in_place",
+              "comm=hierarchical", f"comm.timeout_s={timeout_s}", "trainer.max_steps=30", "trainer.checkpoint_every=5",
+              f"hydra.run.dir={tmp_path / 'run'}"]
+    job = Job(tmp_path, *common)
+    job.wait_for(r"^step 11/")
+    everyone = descendants(job.proc.pid)
+    store = [p for p in everyone if b"hybrid.runtime.rdzv_store" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(store) == 1, store
+    os.kill(store[0], signal.SIGKILL)
+    killed = time.monotonic()
+    code, output, _ = job.finish(timeout=timeout_s + 60)
+    assert all_gone(everyone, within_s=max(0.0, timeout_s + 10 - (time.monotonic() - killed)))
+    assert code == 75, output[-3000:]
+    said = re.findall(r"^(hybrid agent: node \d|worker \d\.\d): lost the rendezvous store at 127\.0\.0\.1:\d+ ", output,
+                      re.MULTILINE)
+    assert sorted(set(said)) == sorted(said) and {"hybrid agent: node 0", "hybrid agent: node 1"} <= set(said), said
+    assert "Traceback" not in output and "frame #" not in output, output[-3000:]
+    last = int(re.search(r"its last checkpoint \(step (\d+)\)", output).group(1))
+    assert 10 <= last < 30
+    again = subprocess.run([sys.executable, "-m", "hybrid.train", *common, "trainer.resume=true"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resumed from step {last}" in again.stdout
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 30
+
+
 # ---------------------------------------------------------------- guards
 
 

@@ -1,9 +1,10 @@
 """A long run with losses and returns, recovery in place: does anything grow?
 
-``python -m hybrid.train`` on 2x2 (``cluster.min_nnodes=1``, ``cluster.recovery=in_place``) for ``--steps`` steps,
-a checkpoint every ``--checkpoint-every``; every ``--kill-every`` steps node 1's agent and workers are SIGKILLed
-and, once the survivors go on, its agent is started again (``python -m hybrid.runtime.agent JOB_DIR 1``, as the
-launcher started it) and joins in place. Every ``--sample-s`` seconds each worker's resident memory (VmRSS) and
+``python -m hybrid.train`` on ``--nodes`` x ``--nproc`` (2x2; ``cluster.min_nnodes`` one less,
+``cluster.recovery=in_place``) for ``--steps`` steps, a checkpoint every ``--checkpoint-every``; every
+``--kill-every`` steps node ``--victim``'s (1) agent and workers are SIGKILLed and, once the survivors go on, its
+agent is started again (``python -m hybrid.runtime.agent JOB_DIR NODE``, as the launcher started it) and joins
+in place. Every ``--sample-s`` seconds each worker's resident memory (VmRSS) and
 open file descriptors are read from /proc, with the step rank 0 last printed.
 
 Writes ``OUT/soak.json`` (the samples, each loss and return with its timings, the run's metrics) and
@@ -126,20 +127,21 @@ class Output:
                     raise RuntimeError(f"never saw {pattern!r} within {timeout_s:g} s")
 
 
-def _start_again(job_pid: int, agent: int, world: int) -> subprocess.Popen:
-    """Node 1's agent, started again the way the launcher started it (its job folder found by its pid file)."""
+def _start_again(node: int, agent: int, world: int) -> subprocess.Popen:
+    """Node ``node``'s agent, started again the way the launcher started it (its job folder found by its pid file)."""
     from hybrid.runtime.launch import local_agent_env
 
-    pid_file = next(p for p in Path(tempfile.gettempdir()).glob("hybrid-job-*/agent-1.pid")
+    pid_file = next(p for p in Path(tempfile.gettempdir()).glob(f"hybrid-job-*/agent-{node}.pid")
                     if p.read_text() == str(agent))
-    return subprocess.Popen([sys.executable, "-m", "hybrid.runtime.agent", str(pid_file.parent), "1"],
+    return subprocess.Popen([sys.executable, "-m", "hybrid.runtime.agent", str(pid_file.parent), str(node)],
                             env={**os.environ, **local_agent_env(world), "GLOO_SOCKET_IFNAME": "lo"},
                             start_new_session=True)
 
 
 def soak(args: argparse.Namespace, where: Path) -> dict:
     job = subprocess.Popen(
-        [sys.executable, "-m", "hybrid.train", "cluster.nnodes=2", "cluster.nproc_per_node=2", "cluster.min_nnodes=1",
+        [sys.executable, "-m", "hybrid.train", f"cluster.nnodes={args.nodes}", f"cluster.nproc_per_node={args.nproc}",
+         f"cluster.min_nnodes={args.nodes - 1}",
          "cluster.rdzv_last_call_s=2", "cluster.recovery=in_place", "comm=hierarchical", "comm.timeout_s=60",
          f"trainer.max_steps={args.steps}", f"trainer.checkpoint_every={args.checkpoint_every}",
          "trainer.log_every=1", "model.width=512", "data.num_samples=4096", f"data.root={where / 'data'}",
@@ -173,11 +175,12 @@ def soak(args: argparse.Namespace, where: Path) -> dict:
     threading.Thread(target=sample, daemon=True).start()
     seen = 0
     try:
-        for target in range(args.kill_every, args.steps, args.kill_every):
+        # The last loss leaves room for the return (about 10 s of steps here) before the run's end.
+        for target in range(args.kill_every, args.steps - args.kill_every // 2, args.kill_every):
             seen = out.wait_step(target)
             tree = _tree()
             agents = [p for p in _under(job.pid, tree) + [a.pid for a in again if a.poll() is None]
-                      if _name(p) == "hybrid-agent-1"]
+                      if _name(p) == f"hybrid-agent-{args.victim}"]
             victim = agents[-1]
             killed = [victim, *_under(victim, tree)]
             at = out.step
@@ -188,14 +191,14 @@ def soak(args: argparse.Namespace, where: Path) -> dict:
             lost_s = time.monotonic() - t0
             seen, _ = out.wait_for(r"^step \d+/", seen)
             t1 = time.monotonic()
-            again.append(_start_again(job.pid, victim, 4))
+            again.append(_start_again(args.victim, victim, args.nodes * args.nproc))
             seen, back = out.wait_for(r"^resumed from step (\d+)", seen)
             join_s = time.monotonic() - t1
             seen, _ = out.wait_for(r"^step \d+/", seen)
             events.append({"killed_at_step": at, "continued_from": int(found.group(1)), "lost_to_resumed_s": lost_s,
                            "rejoined_from": int(back.group(1)), "agent_start_to_resumed_s": join_s,
                            "agent_start_to_next_step_s": time.monotonic() - t1})
-            print(f"step {at}: node 1 lost, resumed in {lost_s:.2f} s; back, resumed in {join_s:.2f} s",
+            print(f"step {at}: node {args.victim} lost, resumed in {lost_s:.2f} s; back, resumed in {join_s:.2f} s",
                   flush=True)
         code = job.wait(timeout=3600)
     finally:
@@ -213,27 +216,28 @@ def soak(args: argparse.Namespace, where: Path) -> dict:
                                                     "membership")}}
 
 
-def summarize(result: dict, from_step: int) -> list[str]:
-    """Each node-0 worker's RSS growth from ``from_step`` to the end and its descriptors' range there."""
+def summarize(result: dict, from_step: int, victim: int) -> list[str]:
+    """Each surviving worker's (one not on node ``victim``) RSS growth from ``from_step`` to the end and its
+    descriptors' range there."""
     lines = []
     by_pid: dict[int, list[dict]] = {}
     for s in result["samples"]:
         by_pid.setdefault(s["pid"], []).append(s)
     for pid, rows in sorted(by_pid.items()):
-        if rows[0]["node"] != "0":
+        if rows[0]["node"] == str(victim):
             continue
         span = [r for r in rows if r["step"] >= from_step]
         if len(span) < 2:
             continue
         first, last = span[0]["rss_kb"], span[-1]["rss_kb"]
         fds = [r["fds"] for r in span]
-        lines.append(f"worker pid {pid} (node 0): RSS {first / 1024:.1f} MB at step {span[0]['step']} -> "
+        lines.append(f"worker pid {pid} (node {rows[0]['node']}): RSS {first / 1024:.1f} MB at step {span[0]['step']} -> "
                      f"{last / 1024:.1f} MB at step {span[-1]['step']} ({100 * (last - first) / first:+.2f}%); "
                      f"open descriptors {min(fds)}..{max(fds)}")
     return lines
 
 
-def plot(result: dict, path: Path) -> None:
+def plot(result: dict, path: Path, args: argparse.Namespace) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -244,8 +248,9 @@ def plot(result: dict, path: Path) -> None:
     for s in result["samples"]:
         by_pid.setdefault(s["pid"], []).append(s)
     for pid, rows in sorted(by_pid.items()):
-        style = "-" if rows[0]["node"] == "0" else ":"
-        label = f"node {rows[0]['node']} pid {pid}" if rows[0]["node"] == "0" else None
+        survivor = rows[0]["node"] != str(args.victim)
+        style = "-" if survivor else ":"
+        label = f"node {rows[0]['node']} pid {pid}" if survivor else None
         top.plot([r["step"] for r in rows], [r["rss_kb"] / 1024 for r in rows], style, label=label)
         bottom.plot([r["step"] for r in rows], [r["fds"] for r in rows], style)
     for event in result["events"]:
@@ -253,9 +258,10 @@ def plot(result: dict, path: Path) -> None:
             axis.axvline(event["killed_at_step"], color="grey", alpha=0.3)
     top.set_ylabel("RSS (MB)")
     bottom.set_ylabel("open descriptors")
-    bottom.set_xlabel("step (grey: node 1 SIGKILLed, then started again)")
+    bottom.set_xlabel(f"step (grey: node {args.victim} SIGKILLed, then started again)")
     top.legend(fontsize=8)
-    top.set_title("2x2 in place: each worker's memory and descriptors (dotted: node 1's, new after each return)")
+    top.set_title(f"{args.nodes}x{args.nproc} in place: each worker's memory and descriptors (dotted: node "
+                  f"{args.victim}'s, new after each return)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -263,6 +269,10 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=2, help="workers per node")
+    parser.add_argument("--victim", type=int, default=1, help="the node killed and started again (not 0: node 0's "
+                        "workers are the ones that live through every loss, whose growth is measured)")
     parser.add_argument("--kill-every", type=int, default=1000)
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--sample-s", type=float, default=0.5)
@@ -273,14 +283,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hybrid-soak-") as where:
         result = soak(args, Path(where))
     (args.out / "soak.json").write_text(json.dumps(result))
-    plot(result, args.out / "soak.png")
+    plot(result, args.out / "soak.png", args)
     print(f"exit {result['exit']}, {result['metrics']['steps']} steps in {result['wall_s']:.0f} s, replicas "
           f"{'identical' if result['metrics']['param_checksums_identical'] else 'NOT identical'}")
     for event in result["events"]:
         print(f"  killed at step {event['killed_at_step']}: resumed from {event['continued_from']} in "
               f"{event['lost_to_resumed_s']:.2f} s; agent started again -> resumed in "
               f"{event['agent_start_to_resumed_s']:.2f} s")
-    for line in summarize(result, args.from_step):
+    for line in summarize(result, args.from_step, args.victim):
         print(line)
 
 

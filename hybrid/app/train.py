@@ -30,12 +30,14 @@ from hybrid.app.checks import check_run_dir, check_torchrun_layout, precheck, pr
 from hybrid.app.config import CONF_PACKAGE, ClusterConfig, TrainConfig
 from hybrid.app.observability.run_log import say
 from hybrid.app.observability.run_names import register_resolvers
+from hybrid.app.state.checkpoint import latest_manifest
 from hybrid.app.worker import run_worker
+from hybrid.runtime.agent import StoreLost
 from hybrid.runtime.launch import launch_local, start_agent_server
 from hybrid.runtime.slurm import SlurmNode, in_submitit_task, slurm_restart
 from hybrid.runtime.testbed import LinkShape, Testbed
 
-__all__ = ["launch_job", "main", "train"]
+__all__ = ["EXIT_STORE_LOST", "launch_job", "main", "train"]
 
 register_resolvers()  # before Hydra resolves hydra.run.dir / hydra.sweep.subdir, which name runs with them
 
@@ -106,10 +108,24 @@ def _run(settings: TrainConfig, hydra_cfg: Any, run_dir: Path) -> dict[str, Any]
     return result
 
 
+# The exit status of a job whose rendezvous store went (sysexits' EX_TEMPFAIL: try again later, here with
+# trainer.resume=true): distinct from a failure of the training itself (1) and from bad input (2).
+EXIT_STORE_LOST = 75
+
+
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONF_PACKAGE}", config_name="config")
 def hydra_main(cfg: DictConfig) -> float:
     """The value a sweeper would minimise: the final training loss."""
-    return float(train(cfg).get("final_loss", float("nan")))
+    try:
+        return float(train(cfg).get("final_loss", float("nan")))
+    except StoreLost as exc:
+        run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+        manifest = latest_manifest(run_dir)
+        kept = (f"its last checkpoint (step {manifest['step']}) is in {run_dir / 'checkpoints'}"
+                if manifest else f"it saved no checkpoint in {run_dir}")
+        say(run_dir, f"error: {exc}; {kept}: continue it with the same command and trainer.resume=true "
+                     f"hydra.run.dir={run_dir}")
+        sys.exit(EXIT_STORE_LOST)
 
 
 def main() -> None:

@@ -33,8 +33,9 @@ from hybrid.runtime.cpu_limit import join_deferred
 from hybrid.runtime.distributed import store_server
 from hybrid.runtime.etcd_store import ETCD_SCHEME, live_member
 from hybrid.runtime.rdzv_store import NODE_ENV, STORE_ENV
+from hybrid.runtime.store_watch import StoreWatch
 
-__all__ = ["attempt_prefix", "name_process", "nodes_at_end_key", "run_agent", "run_forked_agent", "run_node"]
+__all__ = ["STORE_LOST", "StoreLost", "attempt_prefix", "name_process", "nodes_at_end_key", "run_agent", "run_forked_agent", "run_node"]
 
 
 def attempt_prefix(run_id: str, master_addr: str, master_port: str | int) -> str:
@@ -54,7 +55,15 @@ def nodes_at_end_key(run_id: str) -> str:
 EXIT_BARRIER_S = 300.0  # torch's own
 
 
-def _agent_class(keep_workers_on_join: bool = False) -> Any:
+class StoreLost(RuntimeError):
+    """The store the agents meet in (and in-place workers agree in) is gone: no node can go on, and none can
+    know what the others did after it went. The job stops; its last checkpoint stands (``trainer.resume=true``)."""
+
+
+STORE_LOST = "store_lost"  # an agent's result status when its store went
+
+
+def _agent_class(keep_workers_on_join: bool = False, node: int = 0, endpoint: str = "") -> Any:
     """torch's LocalElasticAgent, with an exit barrier that counts only the nodes that finished, and (recovery
     in place) a node that comes back taken in without restarting the workers.
 
@@ -68,9 +77,19 @@ def _agent_class(keep_workers_on_join: bool = False) -> Any:
     leaves its workers running: they take the new node in at their next agreement (:mod:`hybrid.app.state.in_place`)."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.elastic.utils.store import barrier
 
     class HybridAgent(LocalElasticAgent):
+        def _invoke_run(self, role: str = "default") -> Any:
+            watch = StoreWatch(f"hybrid agent: node {node}", endpoint, "stopping this node's workers")
+            try:
+                return super()._invoke_run(role)
+            except RendezvousConnectionError as exc:
+                raise StoreLost(f"node {node} {watch.lost(exc)}") from None
+            finally:
+                watch.stop()
+
         def _restart_workers(self, worker_group: Any) -> None:
             if not (keep_workers_on_join and worker_group.state == WorkerState.HEALTHY):
                 return super()._restart_workers(worker_group)  # a failure: torch's restart
@@ -225,7 +244,7 @@ def _prepare_agent(node_rank: int, external_endpoint: str | None, keep_workers_o
     os.environ[NODE_ENV] = str(node_rank)
     if external_endpoint is not None:
         os.environ[STORE_ENV] = external_endpoint
-        launcher_api.LocalElasticAgent = _agent_class(keep_workers_on_join)
+        launcher_api.LocalElasticAgent = _agent_class(keep_workers_on_join, node_rank, external_endpoint)
 
 
 LEAVE_TIMEOUT_S = 10.0
@@ -296,6 +315,8 @@ def run_agent(job_dir: Path, node: int) -> int:
         )
         _write_result(job_dir, node, "ok", by_rank, LAST_MEMBERSHIP_NODES[0])
         return 0
+    except StoreLost as exc:
+        _write_result(job_dir, node, STORE_LOST, str(exc))
     except ChildFailedError as exc:
         _write_result(job_dir, node, "failed", exc.format_msg())
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, then non-zero exit

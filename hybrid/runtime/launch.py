@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from hybrid.core.topology import Layout
+from hybrid.runtime.agent import STORE_LOST, StoreLost
 from hybrid.runtime.rdzv_store import start_store
 
 __all__ = ["LOOPBACK", "PEER_GRACE_S", "LaunchError", "NodeNetwork", "free_port", "is_consequence", "launch_local",
@@ -316,12 +317,17 @@ def _collect(job_dir: Path, agents: list[subprocess.Popen], min_nnodes: int | No
     ``min_nnodes`` finished; the results are theirs (the final membership's ranks)."""
     by_rank: dict[int, Any] = {}
     failures = []
+    lost_store = []
     for i, agent in enumerate(agents):
         status, payload = _result(job_dir, i, agent)
+        if status == STORE_LOST:
+            lost_store.append(str(payload))
         if status != "ok":
             failures.append((i, str(payload)))
         else:
             by_rank.update(payload)
+    if lost_store:
+        raise StoreLost(f"{lost_store[0]}; every node stopped ({len(lost_store)} said so)")
     finished = len(agents) - len(failures)
     complete = sorted(by_rank) == list(range(len(by_rank))) and bool(by_rank)  # every rank of one membership
     if failures and not (min_nnodes and finished >= min_nnodes and complete):

@@ -35,7 +35,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable
 
 from hybrid.core.topology import WorkerEnv
@@ -97,8 +96,10 @@ class Heartbeat:
     acted: once per epoch)."""
 
     def __init__(self, store: Any, key: str, joiners_key: Callable[[], str | None] | None = None,
-                 on_joiner: Callable[[], bool] | None = None) -> None:
+                 on_joiner: Callable[[], bool] | None = None,
+                 on_lost: Callable[[BaseException], Any] | None = None) -> None:
         self._store, self._key, self._stop = store, key, threading.Event()
+        self._on_lost = on_lost
         self._joiners_key, self._on_joiner = joiners_key, on_joiner
         self._thread = threading.Thread(target=self._beat, name="hybrid-heartbeat", daemon=True)
         self._thread.start()
@@ -112,7 +113,12 @@ class Heartbeat:
                 if key is not None and key != told and self._store.add(key, 0) > 0 and self._on_joiner():
                     told = key
             except Exception as exc:  # noqa: BLE001 - the store is gone: nothing left to tell
-                print(f"hybrid heartbeat stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                if self._on_lost is not None:
+                    self._on_lost(exc)
+                else:
+                    said = str(exc).splitlines()[0][:160] if str(exc) else ""
+                    print(f"worker {self._key.rsplit('/', 1)[-1]}: lost the rendezvous store ({type(exc).__name__}: "
+                          f"{said}); its heartbeat stopped", file=sys.stderr, flush=True)
                 return
             self._stop.wait(HEARTBEAT_S)
 
@@ -133,14 +139,16 @@ class Quorum:
         self.dead_after_s, self.timeout_s = dead_after_s, timeout_s
 
     def heartbeat(self, me: Member, store: Any, epoch: Callable[[], int | None] | None = None,
-                  on_joiner: Callable[[], bool] | None = None) -> Heartbeat:
+                  on_joiner: Callable[[], bool] | None = None,
+                  on_lost: Callable[[BaseException], Any] | None = None) -> Heartbeat:
         """Start this worker's heartbeat (on ``store``: a client of its own, so a blocking wait on the other
-        never delays it); ``on_joiner`` is called when a node registers for the epoch after ``epoch()``."""
+        never delays it); ``on_joiner`` is called when a node registers for the epoch after ``epoch()``,
+        ``on_lost`` with the error when the store stops answering (the heartbeat then stops)."""
         def joiners_key() -> str | None:
             current = epoch() if epoch is not None else None
             return None if current is None else f"{self.prefix}/epoch{current + 1}/joiners"
 
-        return Heartbeat(store, f"{self.prefix}/hb/{me.key}", joiners_key, on_joiner)
+        return Heartbeat(store, f"{self.prefix}/hb/{me.key}", joiners_key, on_joiner, on_lost)
 
     def publish(self, membership: Membership) -> None:
         """Record ``membership`` as decided (the first one, which the rendezvous made), for joiners to find."""
@@ -170,15 +178,14 @@ class Quorum:
             self.store.set(f"{base}/in/{me.key}", pickle.dumps((-1, os.getpid())))
             index = self.store.add(f"{base}/joiners", 1) - 1
             self.store.set(f"{base}/joiner/{index}", pickle.dumps((me.node, me.local_rank, node_size)))
+            # Looked at every beat rather than waited on: a store wait that times out prints a C++ warning, and
+            # the job's end (ended_key) must stop the wait too.
             while not self.store.check([f"{base}/decision"]):
                 if ended_key is not None and self.store.check([ended_key]):
                     raise JobEnded(f"worker {me.key}: the job finished before it could join")
                 if time.monotonic() > deadline:
                     break
-                try:  # in slices, to look at ended_key in between
-                    self.store.wait([f"{base}/decision"], timedelta(seconds=1.0))
-                except Exception:  # noqa: BLE001 - a wait that timed out (torch raises its own kinds): look again
-                    pass
+                time.sleep(HEARTBEAT_S)
             else:
                 membership = pickle.loads(self.store.get(f"{base}/decision"))
                 if (me.node, me.local_rank) in [(m.node, m.local_rank) for m in membership.members]:

@@ -20,8 +20,10 @@ processes:
 
 A worker's torchrun environment (``RANK``, ``WORLD_SIZE``, ``GROUP_RANK`` ...)
 follows its place in the new membership. The store's address reaches the workers
-as ``HYBRID_RDZV_ENDPOINT`` (hybrid's launcher sets it for elastic jobs; under
-torchrun, export it with the ``--rdzv-endpoint`` of a store off the nodes).
+as ``HYBRID_RDZV_ENDPOINT`` (hybrid's launcher sets it for elastic jobs); under
+torchrun, from ``cluster.rdzv_endpoint`` (torchrun's ``--rdzv-endpoint``: a store off
+the nodes), and the finishing workers count a lost node's torchrun agent in at
+torch's exit barrier (:mod:`hybrid.runtime.exit_barrier`).
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ from hybrid.app.state.held import HeldState, checkpoint_meta
 from hybrid.core.topology import Topology, WorkerEnv
 from hybrid.runtime.agent import attempt_prefix, nodes_at_end_key
 from hybrid.runtime.distributed import cut_connections, socket_inodes
-from hybrid.runtime.etcd_store import connect_store, members_of
+from hybrid.runtime.etcd_store import ETCD_SCHEME, connect_store, members_of
+from hybrid.runtime.exit_barrier import count_in_lost_agents
 from hybrid.runtime.launch import is_consequence
 from hybrid.runtime.quorum import HEARTBEAT_S, Member, Membership, Quorum
 from hybrid.runtime.rdzv_store import NODE_ENV, STORE_ENV
+from hybrid.runtime.store_watch import StoreWatch
 
 __all__ = ["DEAD_AFTER_S", "STORE_ENV", "InPlace", "attempt_prefix", "nodes_at_end_key"]
 
@@ -58,18 +62,20 @@ class InPlace:
     current attempt of the training continues from."""
 
     def __init__(self, cfg: TrainConfig) -> None:
-        endpoint = os.environ.get(STORE_ENV, "")
+        # hybrid's agents export the store; under torchrun it is cluster.rdzv_endpoint (torchrun's --rdzv-endpoint).
+        endpoint = os.environ.get(STORE_ENV, "") or _configured_store(cfg)
         try:
             self.endpoint = members_of(endpoint)  # the store, or every member of an etcd cluster
         except ValueError:
             raise RuntimeError(f"cluster.recovery=in_place needs a rendezvous store that no training node hosts, "
                                f"named by {STORE_ENV}=HOST:PORT or etcd://HOST:PORT,... (hybrid's launcher sets it "
-                               f"for elastic jobs: cluster.min_nnodes < cluster.nnodes); got {endpoint!r}") from None
+                               f"for elastic jobs: cluster.min_nnodes < cluster.nnodes; under torchrun, give "
+                               f"cluster.rdzv_endpoint=HOST:PORT, torchrun's --rdzv-endpoint); got {endpoint!r}") from None
         timeout = timedelta(seconds=cfg.comm.timeout_s)
         self.store = connect_store(endpoint, timeout)
         self.prefix = attempt_prefix(os.environ.get("TORCHELASTIC_RUN_ID", "none"), os.environ.get("MASTER_ADDR", ""),
                                      os.environ.get("MASTER_PORT", ""))
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        run_id = self.run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         self.live_key = f"hybrid/in_place/{run_id}/live"
         # Set once the job's workers finish: a node that comes back later has nothing to join (and must not
         # start a training of its own in the job's run directory).
@@ -89,10 +95,12 @@ class InPlace:
         self.membership: Membership | None = None
         # The heartbeat's own client: a blocking wait on the other never holds it up. When a node registers
         # to join, it makes this worker's collectives fail, so that the next agreement takes the node in.
+        # Where the store goes, this worker says so in one line (its agent stops it), not in C++ stack traces.
+        self.store_watch = StoreWatch(f"worker {self.me.key}", endpoint, "its agent stops it")
         self._heart = self.quorum.heartbeat(
             self.me, connect_store(endpoint, timeout),
             epoch=lambda: self.membership.epoch if self.membership is not None else None,
-            on_joiner=self._make_room)
+            on_joiner=self._make_room, on_lost=self.store_watch.lost)
         self.cfg = cfg
         self.run: Any = None  # the set-up's Training (hybrid.app.setup), which this room cannot import
         self.run_path: Path | None = None
@@ -180,12 +188,26 @@ class InPlace:
         return env
 
     def finished(self) -> None:
-        """Say how many nodes finished, for the agents' exit barrier (lost nodes' agents never arrive there)."""
-        if self.membership is not None:
-            self.store.set(self.ended_key, str(len(self.membership.nodes)))
+        """Say how many nodes finished, for the agents' exit barrier (lost nodes' agents never arrive there):
+        hybrid's agents read it; under plain torchrun rank 0 counts the lost agents in at torch's own barrier."""
+        if self.membership is None:
+            return
+        nodes = len(self.membership.nodes)
+        self.store.set(self.ended_key, str(nodes))
+        if NODE_ENV not in os.environ and self.env.rank == 0:  # no hybrid agent: torchrun's
+            try:
+                lost = count_in_lost_agents(self.store, self.run_id, nodes)
+            except Exception as exc:  # noqa: BLE001 - torch's rendezvous state unreadable: its agents wait 300 s
+                print(f"worker {self.me.key}: could not count lost nodes' agents in at torchrun's exit barrier "
+                      f"({type(exc).__name__}: {exc}): the others' agents wait up to 300 s", file=sys.stderr, flush=True)
+                return
+            if lost:
+                print(f"worker {self.me.key}: {lost} lost node(s)' agents counted in at torchrun's exit barrier",
+                      file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self._heart.stop()
+        self.store_watch.stop()
 
     def _state(self) -> dict[str, Any] | None:
         """This worker's state as of its last completed step, as a checkpoint holds it (None: no run yet)."""
@@ -198,6 +220,12 @@ class InPlace:
                 "rng": torch.get_rng_state(), "membership": list(run.membership),
                 **checkpoint_meta(self.cfg.model.node, layout.world_size, layout.nnodes, layout.global_batch,
                                   run.state.kind)}
+
+
+def _configured_store(cfg: TrainConfig) -> str:
+    """The control plane's store as the config names it (``cluster.rdzv_endpoint``), in the workers' form."""
+    endpoint = cfg.cluster.rdzv_endpoint
+    return ETCD_SCHEME + endpoint if endpoint and cfg.cluster.rdzv_backend == "etcd" else endpoint
 
 
 def change_of(old: Membership, new: Membership) -> str:
