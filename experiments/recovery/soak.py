@@ -192,7 +192,12 @@ def soak(args: argparse.Namespace, where: Path) -> dict:
             seen, _ = out.wait_for(r"^step \d+/", seen)
             t1 = time.monotonic()
             again.append(_start_again(args.victim, victim, args.nodes * args.nproc))
-            seen, back = out.wait_for(r"^resumed from step (\d+)", seen)
+            try:
+                seen, back = out.wait_for(r"^resumed from step (\d+)", seen)
+            except RuntimeError:  # the run ended first: the returning node found nothing to join
+                events.append({"killed_at_step": at, "continued_from": int(found.group(1)), "lost_to_resumed_s": lost_s,
+                               "rejoined_from": None})
+                break
             join_s = time.monotonic() - t1
             seen, _ = out.wait_for(r"^step \d+/", seen)
             events.append({"killed_at_step": at, "continued_from": int(found.group(1)), "lost_to_resumed_s": lost_s,
@@ -287,9 +292,14 @@ def main() -> None:
     print(f"exit {result['exit']}, {result['metrics']['steps']} steps in {result['wall_s']:.0f} s, replicas "
           f"{'identical' if result['metrics']['param_checksums_identical'] else 'NOT identical'}")
     for event in result["events"]:
+        back = (f"agent started again -> resumed in {event['agent_start_to_resumed_s']:.2f} s"
+                if event.get("rejoined_from") is not None else "the run ended before it was back")
         print(f"  killed at step {event['killed_at_step']}: resumed from {event['continued_from']} in "
-              f"{event['lost_to_resumed_s']:.2f} s; agent started again -> resumed in "
-              f"{event['agent_start_to_resumed_s']:.2f} s")
+              f"{event['lost_to_resumed_s']:.2f} s; {back}")
+    joins = [e["agent_start_to_resumed_s"] for e in result["events"] if e.get("rejoined_from") is not None]
+    if joins:
+        print(f"returns: {len(joins)}, agent start -> resumed on every node: median {sorted(joins)[len(joins) // 2]:.2f} s, "
+              f"max {max(joins):.2f} s")
     for line in summarize(result, args.from_step, args.victim):
         print(line)
 

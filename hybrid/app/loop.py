@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from hybrid.app.targets import Component
 from hybrid.core.comm import Communicator, PhaseCounters
 from hybrid.core.node_sharded_optimizer import NodeShardedOptimizer, optimizer_state_bytes
 from hybrid.core.topology import Topology
+from hybrid.runtime.quorum import MakeRoom
 
 __all__ = ["Checkpointer", "train_and_report", "train_loop", "train_step"]
 
@@ -92,6 +93,7 @@ class Checkpointer:
             model_state = replicas.module.state_dict()
         else:
             model_state, optimizer_state = self.state.collect(replicas.module, optimizer)
+            deferred = self.state.deferred()  # comm=diloco: the other nodes' states, streamed as rank 0 writes
         extra = self.state.extra()
         if self.rank != 0:
             if deferred is not None:
@@ -112,11 +114,12 @@ class Checkpointer:
 def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: Any,
                stream: BatchStream, processor: MetricsProcessor, checkpointer: Checkpointer, start_step: int,
                grads_as_bucket_views: bool, device: torch.device, progress: Progress | None = None,
-               stop: SignalStop | None = None) -> int:
+               stop: SignalStop | None = None, room_after: Callable[[], int | None] | None = None) -> int:
     """Steps ``start_step`` .. the last one (``max_steps``, or ``stop_after`` steps on); checks replicas and
     writes checkpoints on schedule and at the end. Returns the last step. ``progress``: kept up to date after
     every step. ``stop``: Slurm's warning before the end; raises :class:`Preempted` after the agreed step's
-    checkpoint."""
+    checkpoint. ``room_after``: recovery in place's step to stop after for a joining node (every worker the
+    same); raises :class:`MakeRoom` there, between steps, where no collective is in flight."""
     last = trainer.max_steps if not trainer.stop_after else min(trainer.max_steps, start_step + trainer.stop_after)
     recorder = processor.recorder
     progress = progress if progress is not None else Progress()
@@ -128,8 +131,8 @@ def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.opti
         loss = train_step(replicas, optimizer, scheduler, trainer, grads_as_bucket_views, step, processor)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # honest step time; this is a local wait, not a collective
-        progress.step, progress.data = done, stream.state()
-        processor.step_done(done, loss, time.perf_counter() - started, scheduler.get_last_lr()[0], last)
+        progress.step, progress.data, progress.step_s = done, stream.state(), time.perf_counter() - started
+        processor.step_done(done, loss, progress.step_s, scheduler.get_last_lr()[0], last)
         if trainer.check_replicas_every and done % trainer.check_replicas_every == 0:
             with recorder.span("check_replicas"):
                 check_replicas(replicas.local_models(), done, replicas.shard_index)
@@ -137,6 +140,8 @@ def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.opti
             with recorder.span("checkpoint"):
                 checkpointer.save(done, replicas, optimizer, scheduler, stream)
         processor.step_end(done)
+        if room_after is not None and (agreed := room_after()) is not None and done >= agreed and done < last:
+            raise MakeRoom(done)
         if stop is not None and (agreed := stop.stop_after(done)) is not None and done >= agreed and done < last:
             if not (trainer.checkpoint_every and done % trainer.checkpoint_every == 0):  # not saved just above
                 with recorder.span("checkpoint"):
@@ -161,7 +166,7 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
                           run.start_step, cfg.comm.grad_as_bucket_view, device, run.progress,
                           # DiLoCo's nodes meet only every sync_every steps: they may be further apart than the
                           # agreement's margin, so such a job resumes from its last periodic checkpoint instead.
-                          SignalStop.for_slurm() if cfg.comm.algorithm != DILOCO else None)
+                          SignalStop.for_slurm() if cfg.comm.algorithm != DILOCO else None, run.room_after)
     except Preempted as stopped:  # not the run's end: the requeued job continues from the checkpoint
         metrics.status(str(stopped))
         return {"preempted_after": stopped.step} if rank == 0 else None

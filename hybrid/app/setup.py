@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -226,6 +226,9 @@ class Training:
     state: StateAccess  # how checkpoints read and load the model and optimizer
     resumed_extra: dict[str, Any]  # the checkpoint's entries a replica kind loads itself (see restore_training)
     progress: Progress = field(default_factory=Progress)  # the last completed step (the training loop keeps it)
+    # Recovery in place: the step after which this session stops to take a joining node in (None: no node
+    # waits), asked by the training loop at every step's end (hybrid.app.state.in_place).
+    room_after: Callable[[], int | None] | None = None
 
 
 def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_sizes: Sequence[int],

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from hybrid.core.topology import WorkerEnv
 
-__all__ = ["HEARTBEAT_S", "Heartbeat", "JobEnded", "LeftOut", "Member", "Membership", "Quorum"]
+__all__ = ["HEARTBEAT_S", "Heartbeat", "JobEnded", "LeftOut", "MakeRoom", "Member", "Membership", "Quorum"]
 
 HEARTBEAT_S = 0.1
 
@@ -84,6 +84,15 @@ class Membership:
 
 class LeftOut(RuntimeError):
     """This worker is not in the membership the survivors decided."""
+
+
+class MakeRoom(RuntimeError):
+    """A node waits to join: every running worker stops after the same step (agreed in the store), between
+    steps, and meets the others in the agreement that takes the node in."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"a node waits to join: stopping after step {step} to take it in")
+        self.step = step
 
 
 class JobEnded(RuntimeError):

@@ -9,7 +9,7 @@ optimizer (``comm.outer_optim``); the run ends with a sync, so every rank
 finishes with the same model.
 
 Between syncs the nodes hold different weights and inner optimizer states, so
-a checkpoint keeps every node's (gathered to rank 0, which writes), with the
+a checkpoint keeps every node's (streamed into rank 0's file a piece at a time), with the
 global weights, the outer optimizer's state and any exchange in flight: a
 resume anywhere inside an interval continues bitwise. The checkpoint's
 ``model`` and ``optimizer`` are node 0's, so any comm can resume it (from node
@@ -30,7 +30,7 @@ from hybrid.app.components.data import BatchStream
 from hybrid.app.components.losses import LossFn
 from hybrid.app.config import CommConfig, outer_optimizer
 from hybrid.app.replicas.rank import PlainState, RankReplica
-from hybrid.app.state.to_rank0 import gather_to_rank0
+from hybrid.app.state.node_states import StreamedNodeStates
 from hybrid.core.comm import CommGroups, PhaseCounters
 from hybrid.core.diloco import OuterSync
 from hybrid.core.timeline import StepRecorder
@@ -86,26 +86,29 @@ def restore_node(saved: dict[str, Any] | None, node: int, model: nn.Module, opti
 
 class DilocoState(PlainState):
     """Checkpoints of comm=diloco: every node's model and inner optimizer state and its part of the outer loop,
-    gathered to rank 0 (a message from each node leader over the default group, an empty one from the others);
-    node 0's as the checkpoint's ``model`` and ``optimizer``, so it also resumes as a plain checkpoint. Set
-    ``outer`` before the first save."""
+    streamed from each node's leader into rank 0's file a piece at a time (:mod:`hybrid.app.state.node_states`:
+    rank 0 never holds another node's state whole); node 0's as the checkpoint's ``model`` and ``optimizer``, so
+    it also resumes as a plain checkpoint. Set ``outer`` before the first save."""
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self.outer: OuterSync | None = None
-        self._nodes: list[dict[str, Any]] | None = None
+        self._nodes: StreamedNodeStates | None = None
 
     def collect(self, model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         if self.outer is None:
             raise RuntimeError("DilocoState.outer is not set: build the OuterSync before the first checkpoint")
         outer = self.outer.state_dict()  # collective where an exchange is in flight: on every rank
         mine = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "outer": outer}
-        gathered = gather_to_rank0(mine if self.topology.is_leader else None)
-        self._nodes = [g for g in gathered if g is not None] if gathered is not None else None
+        self._nodes = StreamedNodeStates(mine if self.topology.is_leader else None, list(self.topology.leaders))
         return mine["model"], mine["optimizer"]
 
     def extra(self) -> dict[str, Any]:
-        return {CHECKPOINT_KEY: {"nodes": self._nodes}} if self._nodes is not None else {}
+        entries = self._nodes.entries() if self._nodes is not None else None
+        return {CHECKPOINT_KEY: {"nodes": entries}} if entries is not None else {}
+
+    def deferred(self) -> StreamedNodeStates | None:
+        return self._nodes
 
 
 class DilocoReplica(RankReplica):

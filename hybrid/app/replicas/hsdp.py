@@ -125,6 +125,9 @@ class ShardedState:
     def extra(self) -> dict[str, Any]:
         return {}
 
+    def deferred(self) -> None:
+        return None
+
 
 class HsdpReplica:
     """The loop's view of an FSDP2-sharded model: this rank's shards, which ranks of the same shard index

@@ -88,6 +88,10 @@ class StateAccess(Protocol):
     def extra(self) -> dict[str, Any]:
         """Entries of the checkpoint besides model and optimizer, from the last ``collect`` (rank 0's)."""
 
+    def deferred(self) -> Any:
+        """Tensors of the last ``collect``'s entries that arrive while rank 0 writes the file (a
+        :class:`hybrid.app.state.streamed_save.Deferred`; its ``fill`` runs on every rank), or None."""
+
 
 # state_dict_kind of a checkpoint written through torch's distributed state-dict API (comm=hsdp: optimizer state
 # keyed by parameter name, where torch's Optimizer.state_dict keys it by position): which loader a resume needs.
@@ -115,6 +119,11 @@ class PlainState:
 
     def extra(self) -> dict[str, Any]:
         return {}
+
+    def deferred(self) -> Any:
+        """What of the last :meth:`collect`'s checkpoint arrives while rank 0 writes it (a
+        :class:`hybrid.app.state.streamed_save.Deferred`), or None: everything is in hand."""
+        return None
 
 
 class RankReplica:

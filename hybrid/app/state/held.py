@@ -30,6 +30,7 @@ class Progress:
 
     step: int = 0
     data: dict[str, Any] = field(default_factory=dict)
+    step_s: float = 0.0  # how long the last step took (recovery in place sizes its lead in steps by it)
 
 
 def checkpoint_meta(model_config: dict[str, Any], world_size: int, nnodes: int, global_batch: int,

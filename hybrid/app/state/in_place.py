@@ -28,6 +28,7 @@ torch's exit barrier (:mod:`hybrid.runtime.exit_barrier`).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -46,7 +47,7 @@ from hybrid.runtime.distributed import cut_connections, socket_inodes
 from hybrid.runtime.etcd_store import ETCD_SCHEME, connect_store, members_of
 from hybrid.runtime.exit_barrier import count_in_lost_agents
 from hybrid.runtime.launch import is_consequence
-from hybrid.runtime.quorum import HEARTBEAT_S, Member, Membership, Quorum
+from hybrid.runtime.quorum import HEARTBEAT_S, MakeRoom, Member, Membership, Quorum
 from hybrid.runtime.rdzv_store import NODE_ENV, STORE_ENV
 from hybrid.runtime.store_watch import StoreWatch
 
@@ -55,6 +56,9 @@ __all__ = ["DEAD_AFTER_S", "STORE_ENV", "InPlace", "attempt_prefix", "nodes_at_e
 # A worker whose heartbeat (every 0.1 s) stands still this long counts as gone: long enough for a process
 # sharing a busy machine's cores, short enough to keep a recovery within a few seconds.
 DEAD_AFTER_S = 1.0
+# How far ahead, in time, the running workers agree to stop for a joining node: every worker's heartbeat must
+# learn the step before its training passes it (a beat is 0.1 s; a busy machine delays beats several-fold).
+ROOM_LEAD_S = 1.0
 
 
 class InPlace:
@@ -97,8 +101,11 @@ class InPlace:
         # to join, it makes this worker's collectives fail, so that the next agreement takes the node in.
         # Where the store goes, this worker says so in one line (its agent stops it), not in C++ stack traces.
         self.store_watch = StoreWatch(f"worker {self.me.key}", endpoint, "its agent stops it")
+        self._room_after: int | None = None  # the agreed step to stop after for a joining node
+        self._joiner_since: float | None = None
+        self._heart_store = connect_store(endpoint, timeout)  # the heartbeat thread's own client
         self._heart = self.quorum.heartbeat(
-            self.me, connect_store(endpoint, timeout),
+            self.me, self._heart_store,
             epoch=lambda: self.membership.epoch if self.membership is not None else None,
             on_joiner=self._make_room, on_lost=self.store_watch.lost)
         self.cfg = cfg
@@ -143,25 +150,46 @@ class InPlace:
         return env
 
     def watch(self, run: Any) -> None:
-        """The training this worker continues from if a collective fails (its progress, kept by the loop)."""
+        """The training this worker continues from if a collective fails (its progress, kept by the loop), and
+        which asks, at each step's end, whether to stop for a joining node (:meth:`_make_room`)."""
+        self._room_after, self._joiner_since = None, None
         self.run = run
         self._session_start = run.start_step if run is not None else None
+        if run is not None:
+            run.room_after = lambda: self._room_after
 
     def _make_room(self) -> bool:
-        """A node waits to join: make this worker's collectives fail, so that it meets the others in the next
-        agreement, which takes the node in. Only once this session has completed a step (every group built, on
-        every rank: cutting a group's connections while its peers still build theirs can leave one of them
-        waiting its whole timeout on a connection that never reports the cut)."""
+        """A node waits to join (called by the heartbeat thread at every beat while it does): agree on a step
+        every running worker stops after, so that they meet the joiner in the next agreement.
+
+        The first worker to see the joiner proposes its last completed step plus a lead of about
+        :data:`ROOM_LEAD_S` worth of steps (a compare-and-set: one proposal stands); every worker's training
+        loop stops after that step (:class:`MakeRoom`), between steps, where no collective is in flight. Cutting
+        a worker's connections mid-collective instead left, in about one join in thirty here, a worker blocked
+        in a gloo receive that no cut wakes, for its whole collective timeout. Only where a worker is already
+        past the agreed step when it learns it (or the agreement has not happened within a few leads) are its
+        connections cut, as a lost peer's would be, so that it fails now rather than at its timeout.
+
+        Only once this session has completed a step (every group built, on every rank)."""
         run, start = self.run, self._session_start
-        if run is not None and start is not None and run.progress.step > start:
-            # Again at every look until this worker is in its recovery (which disarms it): a connection
-            # gloo opened after the last cut is cut too.
+        if run is None or start is None or run.progress.step <= start or self.membership is None:
+            return False
+        now, done = time.monotonic(), run.progress.step
+        if self._joiner_since is None:
+            self._joiner_since = now
+        if self._room_after is None:
+            lead = max(2, min(1000, math.ceil(ROOM_LEAD_S / max(run.progress.step_s, 1e-3))))
+            key = f"{self.prefix}/epoch{self.membership.epoch + 1}/room_after"
+            self._room_after = int(self._heart_store.compare_set(key, "", str(done + lead)))
+        if done > self._room_after or now - self._joiner_since > 3 * ROOM_LEAD_S + 2:
             cut_connections(self.endpoint, self._spare)
         return False
 
     def recoverable(self, exc: BaseException) -> bool:
-        """A failure a peer caused (closed connections, a timed-out collective), after the first membership."""
-        return self.membership is not None and is_consequence(f"{type(exc).__name__}: {exc}")
+        """A failure a peer caused (closed connections, a timed-out collective), or the agreed stop for a joining
+        node, after the first membership."""
+        return self.membership is not None and (isinstance(exc, MakeRoom)
+                                                or is_consequence(f"{type(exc).__name__}: {exc}"))
 
     def recover(self, exc: BaseException) -> WorkerEnv:
         """Leave every group, agree on who is in, and return this worker's place in the new membership (also
