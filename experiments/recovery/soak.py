@@ -70,11 +70,20 @@ def _rss_kb(pid: int) -> int | None:
     return None
 
 
-def _fds(pid: int) -> int | None:
+def _fds(pid: int) -> dict[str, int] | None:
+    """The process's open descriptors by kind (socket, pipe, anon_inode: epoll and the like, file)."""
+    kinds: dict[str, int] = {}
     try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
+        for entry in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{entry}")
+            except OSError:
+                continue
+            kind = link.split(":", 1)[0] if ":" in link and not link.startswith("/") else "file"
+            kinds[kind] = kinds.get(kind, 0) + 1
     except OSError:
         return None
+    return kinds
 
 
 class Output:
@@ -167,7 +176,7 @@ def soak(args: argparse.Namespace, where: Path) -> dict:
                         rss, fds = _rss_kb(pid), _fds(pid)
                         if rss is not None and fds is not None:
                             samples.append({"t": now - started, "step": step, "pid": pid, "node": node,
-                                            "rss_kb": rss, "fds": fds})
+                                            "rss_kb": rss, "fds": sum(fds.values()), "fd_kinds": fds})
             stop.wait(args.sample_s)
 
     started = time.monotonic()
@@ -236,9 +245,11 @@ def summarize(result: dict, from_step: int, victim: int) -> list[str]:
             continue
         first, last = span[0]["rss_kb"], span[-1]["rss_kb"]
         fds = [r["fds"] for r in span]
+        kinds = ", ".join(f"{k} {span[0]['fd_kinds'].get(k, 0)}->{span[-1]['fd_kinds'].get(k, 0)}"
+                          for k in sorted(set(span[0]["fd_kinds"]) | set(span[-1]["fd_kinds"])))
         lines.append(f"worker pid {pid} (node {rows[0]['node']}): RSS {first / 1024:.1f} MB at step {span[0]['step']} -> "
                      f"{last / 1024:.1f} MB at step {span[-1]['step']} ({100 * (last - first) / first:+.2f}%); "
-                     f"open descriptors {min(fds)}..{max(fds)}")
+                     f"open descriptors {min(fds)}..{max(fds)} ({kinds})")
     return lines
 
 

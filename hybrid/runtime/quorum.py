@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from hybrid.core.topology import WorkerEnv
+from hybrid.runtime.store_watch import quiet_cpp_warnings
 
 __all__ = ["HEARTBEAT_S", "Heartbeat", "JobEnded", "LeftOut", "MakeRoom", "Member", "Membership", "Quorum"]
 
@@ -117,9 +118,11 @@ class Heartbeat:
         told = None
         while not self._stop.is_set():
             try:
-                self._store.add(self._key, 1)
-                key = self._joiners_key() if self._joiners_key is not None else None
-                if key is not None and key != told and self._store.add(key, 0) > 0 and self._on_joiner():
+                with quiet_cpp_warnings():  # a store that dies mid-call: one line below, not a C++ stack
+                    self._store.add(self._key, 1)
+                    key = self._joiners_key() if self._joiners_key is not None else None
+                    waiting = key is not None and key != told and self._store.add(key, 0) > 0
+                if waiting and self._on_joiner():
                     told = key
             except Exception as exc:  # noqa: BLE001 - the store is gone: nothing left to tell
                 if self._on_lost is not None:

@@ -22,11 +22,61 @@ import socket
 import sys
 import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
-__all__ = ["StoreWatch"]
+__all__ = ["StoreWatch", "quiet_cpp_warnings"]
 
 _ETCD = "etcd://"
+
+
+_LEVEL_LOCK = threading.Lock()
+_QUIET: list[int] = [0, 1]  # callers inside quiet_cpp_warnings, and the level to restore after the last one
+_ERROR_LEVEL = 2  # c10's levels: 0 INFO, 1 WARNING, 2 ERROR
+
+
+def _c10_log_level() -> Any:
+    """c10's log level (``FLAGS_caffe2_log_level``, what ``TORCH_CPP_LOG_LEVEL`` sets at start), as a ctypes int
+    to read and write; None where this torch does not export it."""
+    global _LEVEL
+    if _LEVEL is False:
+        try:
+            import ctypes
+
+            import torch
+
+            lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
+            _LEVEL = ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level")
+        except (OSError, ValueError, ImportError):
+            _LEVEL = None
+    return _LEVEL
+
+
+_LEVEL: Any = False
+
+
+@contextmanager
+def quiet_cpp_warnings() -> Iterator[None]:
+    """c10's warnings off (errors still shown) while the body runs: around a heartbeat's calls to the store,
+    whose failure when the store dies mid-call torch reports as a warning with a C++ stack trace before Python
+    sees the error (the process then says it in one line). Process-wide for the call's microseconds."""
+    level = _c10_log_level()
+    if level is None:
+        yield
+        return
+    with _LEVEL_LOCK:
+        if _QUIET[0] == 0:
+            _QUIET[1] = level.value
+            level.value = max(level.value, _ERROR_LEVEL)
+        _QUIET[0] += 1
+    try:
+        yield
+    finally:
+        with _LEVEL_LOCK:
+            _QUIET[0] -= 1
+            if _QUIET[0] == 0:
+                level.value = _QUIET[1]
 
 
 class StoreWatch:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from hybrid.app.config import TrainConfig
 from hybrid.app.state.held import HeldState, checkpoint_meta
+from hybrid.core.comm.ordered_stream import OrderedStream
 from hybrid.core.topology import Topology, WorkerEnv
 from hybrid.runtime.agent import attempt_prefix, nodes_at_end_key
 from hybrid.runtime.distributed import cut_connections, socket_inodes
@@ -301,6 +302,7 @@ def _leave_groups() -> None:
 
     from torch.distributed import distributed_c10d as c10d
 
+    OrderedStream.forget_failures()  # a failed job's traceback, held by its Future from C++, keeps the groups
     if not dist.is_initialized():
         gc.collect()
         return

@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 __all__ = ["OrderedStream"]
+
+_LIVE: "weakref.WeakSet[OrderedStream]" = weakref.WeakSet()  # for OrderedStream.forget_failures
 
 
 @dataclass
@@ -61,6 +64,28 @@ class OrderedStream:
         self._thread: threading.Thread | None = None
         self._users = 0
         self._error: BaseException | None = None
+        self._failures: list[BaseException] = []  # every exception a job's Future was completed with
+        _LIVE.add(self)
+
+    @staticmethod
+    def forget_failures() -> int:
+        """Drop the tracebacks of every exception any live stream's jobs failed with, and those of the exceptions
+        they chain. A Future holds its exception from C++, where Python's collector cannot see it: the
+        traceback's frames (the communicator's, its groups', the DDP hook's state) would stay alive after a
+        failed session is let go, with every socket and thread of its groups (recovery in place builds new
+        ones: hybrid.app.state.in_place). Returns how many exceptions were let go."""
+        dropped = 0
+        for stream in list(_LIVE):
+            with stream._lock:
+                failures, stream._failures = stream._failures, []
+            for exc in failures:
+                seen: set[int] = set()
+                while exc is not None and id(exc) not in seen:
+                    seen.add(id(exc))
+                    exc.__traceback__ = None
+                    exc = exc.__cause__ or exc.__context__
+                dropped += 1
+        return dropped
 
     # Users: each DDP hook holds the stream while it is registered.
 
@@ -158,5 +183,7 @@ class OrderedStream:
     def _fail(self, job: _Job, exc: BaseException) -> None:
         """Fail ``job`` and every later one: the groups may be half-way through a collective."""
         self._error = self._error or exc
+        with self._lock:
+            self._failures.append(exc)
         if not job.future.done():
             job.future.set_exception(exc)
