@@ -407,7 +407,8 @@ def test_in_place_under_two_real_torchrun_agents_and_the_survivors_agent_exits_a
             first = next(i for i, o in enumerate(outputs) if "step 11/" in "".join(o))
             lost = agents[1 - first]
             before = set(descendants(agents[first].pid))
-            os.killpg(lost.pid, signal.SIGKILL)
+            for pid in [lost.pid, *descendants(lost.pid)]:  # torchrun starts its workers in sessions of their own
+                os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
             agents[first].wait(timeout=120)  # torch's exit barrier alone would hold it 300 s
             exited = time.monotonic() - killed

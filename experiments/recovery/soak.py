@@ -230,9 +230,13 @@ def soak(args: argparse.Namespace, where: Path) -> dict:
                                                     "membership")}}
 
 
-def summarize(result: dict, from_step: int, victim: int) -> list[str]:
-    """Each surviving worker's (one not on node ``victim``) RSS growth from ``from_step`` to the end and its
-    descriptors' range there."""
+def summarize(result: dict, from_step: int, victim: int, window: int) -> list[str]:
+    """Each surviving worker's (one not on node ``victim``) resident set and descriptors, as medians over two
+    windows of ``window`` steps: after the first return has settled (from ``from_step`` + ``window``) and at the
+    end of the run, so that both are taken with every node training (a sample at a loss or a return catches
+    the groups torn down)."""
+    import statistics
+
     lines = []
     by_pid: dict[int, list[dict]] = {}
     for s in result["samples"]:
@@ -240,16 +244,17 @@ def summarize(result: dict, from_step: int, victim: int) -> list[str]:
     for pid, rows in sorted(by_pid.items()):
         if rows[0]["node"] == str(victim):
             continue
-        span = [r for r in rows if r["step"] >= from_step]
-        if len(span) < 2:
+        last = rows[-1]["step"]
+        early = [r for r in rows if from_step + window <= r["step"] < from_step + 2 * window]
+        late = [r for r in rows if r["step"] >= last - window]
+        if not early or not late:
             continue
-        first, last = span[0]["rss_kb"], span[-1]["rss_kb"]
-        fds = [r["fds"] for r in span]
-        kinds = ", ".join(f"{k} {span[0]['fd_kinds'].get(k, 0)}->{span[-1]['fd_kinds'].get(k, 0)}"
-                          for k in sorted(set(span[0]["fd_kinds"]) | set(span[-1]["fd_kinds"])))
-        lines.append(f"worker pid {pid} (node {rows[0]['node']}): RSS {first / 1024:.1f} MB at step {span[0]['step']} -> "
-                     f"{last / 1024:.1f} MB at step {span[-1]['step']} ({100 * (last - first) / first:+.2f}%); "
-                     f"open descriptors {min(fds)}..{max(fds)} ({kinds})")
+        first_rss, last_rss = (statistics.median(r["rss_kb"] for r in w) / 1024 for w in (early, late))
+        first_fds, last_fds = (statistics.median(r["fds"] for r in w) for w in (early, late))
+        lines.append(f"worker pid {pid} (node {rows[0]['node']}): RSS {first_rss:.1f} MB (steps {early[0]['step']}-"
+                     f"{early[-1]['step']}) -> {last_rss:.1f} MB (steps {late[0]['step']}-{late[-1]['step']}): "
+                     f"{100 * (last_rss - first_rss) / first_rss:+.2f}%; open descriptors {first_fds:g} -> {last_fds:g} "
+                     f"(every sample: {min(r['fds'] for r in rows)}..{max(r['fds'] for r in rows)})")
     return lines
 
 
@@ -292,7 +297,9 @@ def main() -> None:
     parser.add_argument("--kill-every", type=int, default=1000)
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--sample-s", type=float, default=0.5)
-    parser.add_argument("--from-step", type=int, default=1000, help="where RSS growth is measured from")
+    parser.add_argument("--from-step", type=int, default=1000, help="the first loss; growth is measured from a "
+                        "window after it")
+    parser.add_argument("--window", type=int, default=500, help="steps in each window the medians are taken over")
     parser.add_argument("--out", type=Path, default=HERE / "soak")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -311,7 +318,7 @@ def main() -> None:
     if joins:
         print(f"returns: {len(joins)}, agent start -> resumed on every node: median {sorted(joins)[len(joins) // 2]:.2f} s, "
               f"max {max(joins):.2f} s")
-    for line in summarize(result, args.from_step, args.victim):
+    for line in summarize(result, args.from_step, args.victim, args.window):
         print(line)
 
 
