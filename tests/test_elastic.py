@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -21,8 +20,9 @@ from hybrid.app.checks import check_components, compose_train_config
 from hybrid.runtime.launch import launch_local
 
 from helpers import train_workers
+from helpers.elastic_scenarios import a_lost_node_rejoins_in_place, a_node_killed_in_place, a_node_killed_restart
 from helpers.once import once
-from helpers.processes import Job, agent_of_node, all_gone, descendants
+from helpers.processes import all_gone, descendants
 
 pytestmark = pytest.mark.multiprocess
 
@@ -199,43 +199,6 @@ def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membersh
     a_node_killed_restart(nproc, comm, lost, tmp_path)
 
 
-def a_node_killed_restart(nproc: int, comm: str, lost: int, tmp_path: Path, store: tuple[str, ...] = ()) -> None:
-    """The test above, its job's rendezvous on ``store`` (extra overrides: tests/test_etcd.py runs it on etcd)."""
-    import json
-    import os
-    import signal
-    import time
-
-    # No cluster.max_restarts: an elastic job gets one restart per node it may lose.
-    job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
-              "cluster.rdzv_last_call_s=2", f"comm={comm}", "comm.timeout_s=60", *store,
-              *(["comm.sync_every=4"] if comm == "diloco" else []),
-              "trainer.max_steps=30", "trainer.checkpoint_every=5", "trainer.log_every=1", "model.width=512",
-              "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
-    job.wait_for(r"^step 11/", timeout=180)  # rank 0 saved step 10's checkpoint before its step 11
-    everything = {job.proc.pid, *descendants(job.proc.pid)}  # the store, the agents, the workers
-    agent = agent_of_node(job.proc.pid, lost)
-    for pid in [agent, *descendants(agent)]:
-        os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    job.wait_for(r"^resumed from step", timeout=180)
-    print(f"node {lost} killed -> training resumed on 2 nodes: {time.monotonic() - killed:.1f} s")
-    everything |= set(descendants(job.proc.pid))  # the restarted workers
-    code, out, _ = job.finish(timeout=300)
-    assert code == 0, out[-3000:]
-    assert f"node(s) {lost} lost during the run" in out
-    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["steps"] == 30 and metrics["world_size"] == 2 * nproc and metrics["nnodes"] == 2
-    assert metrics["param_checksums_identical"] and metrics["runs_as"] == comm
-    history = metrics["membership"]
-    assert [(m["nnodes"], m["world_size"]) for m in history] == [(3, 3 * nproc), (2, 2 * nproc)]
-    assert history[1]["why"] == "elastic restart 1" and 10 <= history[1]["step"] < 30
-    assert f"layout changed since the checkpoint: nnodes 3 -> 2, world size {3 * nproc} -> {2 * nproc}" in out
-    if comm == "diloco":  # syncs at 4, 8 and 12..28 after the restart, and the end
-        assert metrics["diloco"]["outer_steps"] == 8 and metrics["diloco"]["sync_every"] == 4
-    assert all_gone(sorted(everything), within_s=15)
-
-
 # In place (cluster.recovery=in_place): the survivors keep their processes. Node 2 of 3x2 sharded here; node 0 of
 # 3x1 (the store is off the nodes, so it is lost like any other, and the new rank 0 writes the metrics) in the
 # rejoin test below.
@@ -249,53 +212,6 @@ def test_in_place_a_killed_node_costs_no_restart_and_at_most_the_step_in_flight(
     a_node_killed_in_place(nproc, comm, lost, tmp_path)
 
 
-def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, store: tuple[str, ...] = (),
-                           mid_run: Callable[[list[int]], None] | None = None) -> None:
-    """The test above, its job's rendezvous on ``store``; ``mid_run(pids)`` runs after step 5, before the node is
-    killed after step 11, given every process of the job (tests/test_etcd.py kills an etcd member there)."""
-    import json
-    import os
-    import signal
-    import time
-
-    from helpers.processes import workers
-
-    job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
-              "cluster.recovery=in_place", f"comm={comm}", "comm.timeout_s=60", *store,
-              "trainer.max_steps=20", "trainer.checkpoint_every=5", "trainer.log_every=1", "trainer.elastic_lr=scale",
-              "model.width=512", "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
-    job.wait_for(r"^step 1/", timeout=180)
-    # The process tree is read before step 11, not after it: on a busy machine reading /proc took long enough
-    # for three more steps to complete before the kill (in place resumed at 14, seen once in CI).
-    everything = [job.proc.pid, *descendants(job.proc.pid)]  # the store, the agents, the workers
-    before = workers(job.proc.pid)
-    agent = agent_of_node(job.proc.pid, lost)
-    killed = [agent, *descendants(agent)]
-    if mid_run is not None:
-        job.wait_for(r"^step 5/", timeout=180)
-        mid_run(everything)
-    job.wait_for(r"^step 11/", timeout=180)
-    for pid in killed:
-        os.kill(pid, signal.SIGKILL)
-    start = time.monotonic()
-    job.wait_for(r"^resumed from step \d+ of the survivors' memory", timeout=120)
-    job.wait_for(r"^step \d+/", timeout=60)
-    print(f"node {lost} killed -> next step on 2 nodes, in place: {time.monotonic() - start:.2f} s")
-    assert workers(job.proc.pid) == sorted(set(before) - set(killed))  # no survivor restarted
-    code, out, _ = job.finish(timeout=120)
-    assert code == 0, out[-3000:]
-    assert "restart 1" not in out and "resuming from the last checkpoint" not in out
-    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["steps"] == 20 and metrics["world_size"] == 2 * nproc and metrics["nnodes"] == 2
-    assert metrics["param_checksums_identical"]
-    history = metrics["membership"]
-    assert [(m["nnodes"], m["world_size"], m["why"]) for m in history] == [
-        (3, 3 * nproc, "start"), (2, 2 * nproc, f"in place: node(s) [{lost}] lost")]
-    assert 11 <= history[1]["step"] <= 12  # the last step completed when the node died: at most one in flight
-    assert "learning rate scaled by 0.6667 (trainer.elastic_lr=scale)" in out
-    assert all_gone(everything, within_s=15)
-
-
 # In place only: with restarts the same scenario (and the late node's restart count, which once stalled it) is
 # measured by experiments/recovery/kill_a_node.py --rejoin (RESULTS 8.2); a second run here costs the suite ~40 s.
 @pytest.mark.background  # mostly waits (a heartbeat, an agent's start): beside the first tiers
@@ -307,59 +223,6 @@ def test_a_lost_node_started_again_rejoins_in_place_and_the_job_grows_back(tmp_p
     on 3 nodes with every step done, the history shows the loss and the return, and every replica, the
     returned node's included, holds the same bits."""
     a_lost_node_rejoins_in_place(tmp_path)
-
-
-def a_lost_node_rejoins_in_place(tmp_path: Path, store: tuple[str, ...] = ()) -> None:
-    """The test above, its job's rendezvous on ``store``."""
-    import glob
-    import json
-    import os
-    import signal
-    import subprocess
-    import time
-
-    from hybrid.runtime.launch import local_agent_env
-
-    from helpers.processes import workers
-
-    job = Job(tmp_path, "cluster.nnodes=3", "cluster.nproc_per_node=1", "cluster.min_nnodes=2",
-              "cluster.rdzv_last_call_s=2", "cluster.recovery=in_place",
-              # A join can cost a running worker its collective timeout (docs/reliability.md): kept short here.
-              "comm=hierarchical", "comm.timeout_s=20", "trainer.max_steps=400", *store,
-              "trainer.checkpoint_every=0",  # in place, nothing is read from disk
-              "trainer.log_every=1", "model.width=1024", "data.num_samples=2048", f"data.root={tmp_path / 'data'}",
-              "hydra.run.dir=run")
-    job.wait_for(r"^step 11/", timeout=180)
-    everything = [job.proc.pid, *descendants(job.proc.pid)]
-    agent = agent_of_node(job.proc.pid, 0)
-    job_dir = next(Path(p).parent for p in glob.glob(f"{tempfile.gettempdir()}/hybrid-job-*/agent-0.pid")
-                   if Path(p).read_text() == str(agent))
-    lost = [agent, *descendants(agent)]
-    survivors = sorted(set(workers(job.proc.pid)) - set(lost))
-    for pid in lost:
-        os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    job.wait_for(r"^resumed from step", timeout=120)
-    time.sleep(max(0.0, 5 - (time.monotonic() - killed)))  # the issue's scenario: the node is back 5 s after
-    again = subprocess.Popen([sys.executable, "-m", "hybrid.runtime.agent", str(job_dir), "0"],
-                             env={**os.environ, **local_agent_env(3), "GLOO_SOCKET_IFNAME": "lo"},
-                             start_new_session=True)
-    try:
-        job.wait_for(r"^resumed from step", timeout=120)
-        kept = sorted(set(workers(job.proc.pid)) & set(survivors))
-        code, out, _ = job.finish(timeout=300)
-        assert again.wait(timeout=60) == 0
-    finally:
-        again.kill()
-    assert code == 0, out[-3000:]
-    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["steps"] == 400 and metrics["nnodes"] == 3 and metrics["world_size"] == 3
-    assert metrics["param_checksums_identical"]  # the returned node's replica included
-    history = [(m["nnodes"], m["why"]) for m in metrics["membership"]]
-    assert history == [(3, "start"), (2, "in place: node(s) [0] lost"), (3, "in place: node(s) [0] joined")]
-    assert "restart 1" not in out and kept == survivors  # nodes 1 and 2: the same processes throughout
-    assert metrics["membership"][1]["step"] < metrics["membership"][2]["step"] < 400
-    assert all_gone([*everything, again.pid], within_s=15)
 
 
 @pytest.mark.background  # mostly waits (torchrun's start, the lost node's heartbeat)

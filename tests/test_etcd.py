@@ -13,7 +13,8 @@ import time
 from datetime import timedelta
 
 import pytest
-from test_elastic import a_lost_node_rejoins_in_place, a_node_killed_in_place, a_node_killed_restart
+
+from helpers.elastic_scenarios import a_lost_node_rejoins_in_place, a_node_killed_in_place, a_node_killed_restart
 
 pytestmark = pytest.mark.etcd
 ON_ETCD = ("cluster.rdzv_backend=etcd",)

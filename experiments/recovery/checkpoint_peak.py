@@ -33,7 +33,7 @@ def one_run(comm: str, source: Path, where: Path) -> float:
     env = {**os.environ, "PYTHONPATH": f"{source}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run([sys.executable, "-m", "hybrid.train", "cluster=2x4", *COMMS[comm], *MODEL,
                            "trainer.max_steps=8", "trainer.checkpoint_every=4", "trainer.log_every=4",
-                           f"data.root={where / 'data'}", "hydra.run.dir=run"],
+                           "hydra.run.dir=run"],
                           cwd=where, env=env, capture_output=True, text=True, timeout=1200)
     if done.returncode != 0:
         raise RuntimeError(f"{comm} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")

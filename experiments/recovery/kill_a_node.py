@@ -38,6 +38,7 @@ CONFIGS = [  # (label, nproc per node, comm, lost node, recovery)
     ("3x2 sharded, restart", 2, "sharded", 2, "restart"),
     ("3x2 sharded, in place", 2, "sharded", 2, "in_place"),
     ("3x1 ddp, node 0, in place", 1, "ddp", 0, "in_place"),
+    ("3x1 hierarchical, node 0, in place", 1, "hierarchical", 0, "in_place"),
 ]
 
 
