@@ -31,7 +31,7 @@ from typing import Any
 
 from hybrid.runtime.cpu_limit import join_deferred
 from hybrid.runtime.distributed import store_server
-from hybrid.runtime.etcd_store import ETCD_SCHEME, live_member
+from hybrid.runtime.etcd_store import ETCD_SCHEME, live_member, retrying
 from hybrid.runtime.rdzv_store import NODE_ENV, STORE_ENV
 from hybrid.runtime.store_watch import StoreWatch
 
@@ -82,6 +82,11 @@ def _agent_class(keep_workers_on_join: bool = False, node: int = 0, endpoint: st
 
     class HybridAgent(LocalElasticAgent):
         def _invoke_run(self, role: str = "default") -> Any:
+            if endpoint.startswith(ETCD_SCHEME):
+                # The monitor asks the rendezvous every look; on etcd, losing a member (the leader) fails a call
+                # or two while the others elect a new one: ride that out instead of ending the node.
+                handler = self._worker_group.spec.rdzv_handler
+                handler.num_nodes_waiting = retrying(handler.num_nodes_waiting)
             watch = StoreWatch(f"hybrid agent: node {node}", endpoint, "stopping this node's workers")
             try:
                 return super()._invoke_run(role)

@@ -20,8 +20,8 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["ETCD_SCHEME", "STORE_PREFIX", "QuorumEtcdStore", "connect_store", "etcd_client", "is_etcd", "live_member",
-           "members_of"]
+__all__ = ["ETCD_SCHEME", "RETRY_S", "STORE_PREFIX", "QuorumEtcdStore", "connect_store", "etcd_client", "is_etcd",
+           "is_transient", "live_member", "members_of", "retrying"]
 
 ETCD_SCHEME = "etcd://"
 # Where torch's etcd-v2 rendezvous keeps the store it hands the agents (torch.distributed.elastic.rendezvous.
@@ -67,13 +67,58 @@ def live_member(endpoint: str, timeout_s: float = 5.0) -> str:
     raise RuntimeError(f"no etcd member of {endpoint} answers (is a majority of the cluster up?)")
 
 
+# How long a call rides out a member's loss: the client moves to another member at once, but while the cluster
+# elects a new leader (about a second by default; longer on a busy machine) a write is answered "Raft Internal
+# Error: request timed out" or "leader election in progress".
+RETRY_S = 15.0
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether an etcd error is a member's loss the cluster recovers from (a leader election, a member that went),
+    rather than an answer."""
+    import etcd
+
+    if isinstance(exc, (etcd.EtcdConnectionFailed, etcd.EtcdLeaderElectionInProgress)):
+        return True
+    text = str(exc)
+    return isinstance(exc, etcd.EtcdException) and ("Raft Internal Error" in text or "timed out" in text
+                                                    or "leader" in text.lower())
+
+
+def retrying(call: Any, retry_s: float = RETRY_S) -> Any:
+    """``call`` made again, every 0.1 s, while it fails with :func:`is_transient` errors, for at most ``retry_s``."""
+    import functools
+    import time
+
+    @functools.wraps(call)
+    def again(*args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                return call(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the transient kinds are told apart below
+                cause = exc.__cause__ if exc.__cause__ is not None else exc
+                if not (is_transient(exc) or is_transient(cause)) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    return again
+
+
 def _store_class() -> type:
     from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
 
     class _QuorumEtcdStore(EtcdStore):
         """torch's EtcdStore with ``compare_set`` (c10d's semantics: ``expected`` empty writes where the key
-        is absent), from etcd's compare-and-swap."""
+        is absent), from etcd's compare-and-swap; every call rides out a leader election (:func:`retrying`)."""
 
+        set = retrying(EtcdStore.set)
+        get = retrying(EtcdStore.get)
+        add = retrying(EtcdStore.add)
+        check = retrying(EtcdStore.check)
+        wait = retrying(EtcdStore.wait)
+
+        @retrying
         def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
             import etcd
 
