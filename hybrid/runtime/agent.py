@@ -214,16 +214,10 @@ def run_node(
     hosts = node_rank == 0 and not external_store
     server = store_server(*_split(rdzv_endpoint), timeout_s) if hosts and bind_store else None
     minimum = min_nnodes or nnodes
-    # Node 0 hosts the store (unless it is off the nodes), said explicitly: simulated nodes share one hostname.
-    rdzv_configs: dict[str, Any] = {"is_host": hosts, "join_timeout": int(timeout_s)}
-    if minimum < nnodes:
-        rdzv_configs.update(last_call_timeout=int(last_call_s), keep_alive_interval=1, keep_alive_max_attempt=3)
-    if on_etcd:  # torch's etcd-v2 backend takes one member and learns the others from it
-        del rdzv_configs["is_host"]
-        rdzv_endpoint = live_member(rdzv_endpoint)
+    backend, endpoint, rdzv_configs = _rendezvous(on_etcd, rdzv_endpoint, hosts, timeout_s, minimum < nnodes,
+                                                  last_call_s)
     config = LaunchConfig(min_nodes=minimum, max_nodes=nnodes, nproc_per_node=nproc_per_node, run_id=run_id,
-                          rdzv_backend="etcd-v2" if on_etcd else "c10d", rdzv_endpoint=rdzv_endpoint,
-                          rdzv_configs=rdzv_configs,
+                          rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
                           max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method,
                           local_addr=local_addr)
     per_local_rank = elastic_launch(config, _rank_and_result)(entrypoint, *args)
@@ -232,6 +226,19 @@ def run_node(
         _leave_together(server, rdzv_endpoint, run_id, nodes)
     LAST_MEMBERSHIP_NODES[0] = nodes
     return {rank: result for rank, _, result in per_local_rank.values()}
+
+
+def _rendezvous(on_etcd: bool, endpoint: str, hosts: bool, timeout_s: float, elastic: bool,
+                last_call_s: int) -> tuple[str, str, dict[str, Any]]:
+    """torch's rendezvous backend, endpoint and settings for this node's agent."""
+    # Node 0 hosts the store (unless it is off the nodes), said explicitly: simulated nodes share one hostname.
+    configs: dict[str, Any] = {"join_timeout": int(timeout_s)} if on_etcd else {"is_host": hosts,
+                                                                               "join_timeout": int(timeout_s)}
+    if elastic:
+        configs.update(last_call_timeout=int(last_call_s), keep_alive_interval=1, keep_alive_max_attempt=3)
+    if on_etcd:  # torch's etcd-v2 backend takes one member and learns the others from it
+        return "etcd-v2", live_member(endpoint), configs
+    return "c10d", endpoint, configs
 
 
 # How many nodes the workers' last membership had, as the last run_node in this process saw it: what the

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hybrid.core.topology import WorkerEnv
 
-__all__ = ["broadcast_from_rank0", "cut_connections", "init_distributed", "listening_socket", "shutdown_distributed",
+__all__ = ["broadcast_from_rank0", "cut_connections", "free_port", "init_distributed", "listening_socket", "shutdown_distributed",
            "socket_inodes"]
 
 
@@ -68,6 +68,13 @@ def _job_store(rank: int, world_size: int, timeout: timedelta) -> Any:
     _LISTENERS.append(listener)
     return dist.TCPStore(host, port, world_size, is_master=True, master_listen_fd=listener.fileno(),
                          wait_for_workers=False, timeout=timeout)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (for a rendezvous store or an etcd member)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -64,7 +64,7 @@ class EtcdCluster:
     are given. ``stop()`` ends every member and removes their data."""
 
     def __init__(self, host: str, members: int = 3, prefix: tuple[str, ...] = ()) -> None:
-        from hybrid.runtime.launch import free_port
+        from hybrid.runtime.distributed import free_port
 
         self.host, self.prefix = host, prefix
         base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None

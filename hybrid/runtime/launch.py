@@ -30,7 +30,6 @@ import pickle
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from hybrid.core.topology import Layout
 from hybrid.runtime.agent import STORE_LOST, StoreLost
+from hybrid.runtime.distributed import free_port
 from hybrid.runtime.rdzv_store import start_store
 
 __all__ = ["LOOPBACK", "PEER_GRACE_S", "LaunchError", "NodeNetwork", "free_port", "is_consequence", "launch_local",
@@ -81,13 +81,6 @@ class NodeNetwork:
 
 
 LOOPBACK = NodeNetwork(_LOCALHOST, "lo")
-
-
-def free_port(host: str = _LOCALHOST) -> int:
-    """A TCP port that was free a moment ago on ``host`` (for the rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def worker_threads(world_size: int) -> int:
@@ -139,23 +132,13 @@ def launch_local(
     :func:`_elastic_store`); ``rdzv_endpoint``: ``HOST:PORT`` of a store someone else runs, joined by every agent.
     ``recovery="in_place"``: a node that comes back (``python -m hybrid.runtime.agent JOB_DIR NODE``; each agent
     writes ``agent-NODE.pid`` there) joins without a restart of the others (:mod:`hybrid.app.state.in_place`).
-    ``rdzv_backend="etcd"``: the agents and workers meet in etcd, a replicated store: the members named by
-    ``rdzv_endpoint`` (``H1:P1,H2:P2,...``), else a 3-member cluster started for the job on loopback or
-    ``store_network`` (:mod:`hybrid.runtime.etcd_cluster`) and stopped after it.
+    ``rdzv_backend="etcd"``: they meet in etcd: ``rdzv_endpoint``'s members, else 3 started for the job
+    (:mod:`hybrid.runtime.etcd_cluster`).
     """
-    _check_settings(start_method, max_restarts, timeout_s)
     nodes = list(nodes) if nodes is not None else [LOOPBACK] * layout.nnodes
-    if len(nodes) != layout.nnodes:
-        raise ValueError(f"{len(nodes)} node networks for a layout of {layout.nnodes} nodes")
     minimum = min_nnodes or layout.nnodes
-    if not 1 <= minimum <= layout.nnodes:
-        raise ValueError(f"min_nnodes={min_nnodes} must be in 1..{layout.nnodes}")
-    if rdzv_backend not in ("c10d", "etcd"):
-        raise ValueError(f"rdzv_backend={rdzv_backend!r} must be c10d or etcd")
-    if rdzv_backend == "etcd":
-        store = _etcd_store(nodes, store_network) if rdzv_endpoint is None else None
-    else:
-        store = _elastic_store(minimum < layout.nnodes and rdzv_endpoint is None, nodes, store_network)
+    _check_settings(start_method, max_restarts, timeout_s, layout, len(nodes), minimum)
+    store = _control_store(rdzv_backend, minimum < layout.nnodes, rdzv_endpoint, nodes, store_network)
     job_dir = _write_job(layout, nodes, entrypoint, args, timeout_s, max_restarts, minimum, last_call_s, start_method,
                          rdzv_endpoint or (store.endpoint if store is not None else None), recovery, rdzv_backend)
     base_env = {**os.environ, **local_agent_env(layout.world_size), **(env or {})}
@@ -175,7 +158,12 @@ def launch_local(
         shutil.rmtree(job_dir, ignore_errors=True)
 
 
-def _check_settings(start_method: str, max_restarts: int, timeout_s: float) -> None:
+def _check_settings(start_method: str, max_restarts: int, timeout_s: float, layout: Layout | None = None,
+                    node_networks: int = 0, minimum: int = 1) -> None:
+    if layout is not None and node_networks != layout.nnodes:
+        raise ValueError(f"{node_networks} node networks for a layout of {layout.nnodes} nodes")
+    if layout is not None and not 1 <= minimum <= layout.nnodes:
+        raise ValueError(f"min_nnodes={minimum} must be in 1..{layout.nnodes}")
     if start_method not in ("fork", "spawn"):
         raise ValueError(f"start_method={start_method!r} must be fork or spawn")
     if max_restarts < 0:
@@ -193,6 +181,16 @@ def _elastic_store(elastic: bool, nodes: Sequence[NodeNetwork], store_network: N
         return None
     port = free_port() if store_at == LOOPBACK else _RDZV_PORT_IN_NAMESPACE
     return start_store(store_at.address, port, store_at.prefix)
+
+
+def _control_store(rdzv_backend: str, elastic: bool, rdzv_endpoint: str | None, nodes: Sequence[NodeNetwork],
+                   store_network: NodeNetwork | None) -> Any:
+    """The store this launch starts for its job (None: someone else's, or node 0's agent hosts it)."""
+    if rdzv_backend not in ("c10d", "etcd"):
+        raise ValueError(f"rdzv_backend={rdzv_backend!r} must be c10d or etcd")
+    if rdzv_backend == "etcd":
+        return _etcd_store(nodes, store_network) if rdzv_endpoint is None else None
+    return _elastic_store(elastic and rdzv_endpoint is None, nodes, store_network)
 
 
 def _etcd_store(nodes: Sequence[NodeNetwork], store_network: NodeNetwork | None) -> Any:
