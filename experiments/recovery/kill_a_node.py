@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from processes import name, start_again, under
+
 REJOIN_CONFIGS = [
     ("3x1 hierarchical, node 0 back 5 s later, restart", 1, "hierarchical", 0, "restart"),
     ("3x1 hierarchical, node 0 back 5 s later, in place", 1, "hierarchical", 0, "in_place"),
@@ -40,46 +42,6 @@ CONFIGS = [  # (label, nproc per node, comm, lost node, recovery)
     ("3x1 ddp, node 0, in place", 1, "ddp", 0, "in_place"),
     ("3x1 hierarchical, node 0, in place", 1, "hierarchical", 0, "in_place"),
 ]
-
-
-def _tree() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            tree.setdefault(parent, []).append(int(entry))
-    return tree
-
-
-def _under(pid: int) -> list[int]:
-    tree, out, todo = _tree(), [], [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _start_again(job_pid: int, node: int, agent: int, world: int) -> subprocess.Popen:
-    """The lost node's agent, started again the way the launcher started it (its job folder found by the pid
-    file each agent writes)."""
-    from hybrid.runtime.launch import local_agent_env
-
-    pid_file = next(p for p in Path(tempfile.gettempdir()).glob(f"hybrid-job-*/agent-{node}.pid")
-                    if p.read_text() == str(agent))
-    return subprocess.Popen([sys.executable, "-m", "hybrid.runtime.agent", str(pid_file.parent), str(node)],
-                            env={**os.environ, **local_agent_env(world), "GLOO_SOCKET_IFNAME": "lo"},
-                            start_new_session=True)
 
 
 def one_run(nproc: int, comm: str, lost: int, recovery: str, where: Path, rejoin: bool = False) -> dict:
@@ -105,10 +67,10 @@ def one_run(nproc: int, comm: str, lost: int, recovery: str, where: Path, rejoin
         raise RuntimeError(f"never saw {pattern!r}:\n{''.join(lines[-30:])}")
 
     until(r"^step 11/")
-    agents = {_name(p): p for p in _under(job.pid) if _name(p).startswith("hybrid-agent-")}
-    workers_before = {p for a in agents.values() for p in _under(a) if _name(p).startswith("hybrid-rank-")}
+    agents = {name(p): p for p in under(job.pid) if name(p).startswith("hybrid-agent-")}
+    workers_before = {p for a in agents.values() for p in under(a) if name(p).startswith("hybrid-rank-")}
     victim = agents[f"hybrid-agent-{lost}"]
-    killed = [victim, *_under(victim)]
+    killed = [victim, *under(victim)]
     for pid in killed:
         os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
@@ -116,12 +78,12 @@ def one_run(nproc: int, comm: str, lost: int, recovery: str, where: Path, rejoin
     again = None
     if rejoin:
         time.sleep(max(0.0, 5 - (time.monotonic() - start)))
-        again = _start_again(job.pid, lost, victim, 3 * nproc)
+        again = start_again(lost, victim, 3 * nproc)
         start = time.monotonic()
         continued = int(until(r"^resumed from step (\d+)").group(1))
     until(r"^step \d+/")
     seconds = time.monotonic() - start
-    workers_after = {p for p in _under(job.pid) if _name(p).startswith("hybrid-rank-")}
+    workers_after = {p for p in under(job.pid) if name(p).startswith("hybrid-rank-")}
     rest, _ = job.communicate(timeout=300)
     if again is not None:
         again.wait(timeout=60)

@@ -29,35 +29,9 @@ import threading
 import time
 from pathlib import Path
 
+from processes import name, start_again, tree, under
+
 HERE = Path(__file__).resolve().parent
-
-
-def _tree() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            tree.setdefault(parent, []).append(int(entry))
-    return tree
-
-
-def _under(pid: int, tree: dict[int, list[int]] | None = None) -> list[int]:
-    tree, out, todo = tree or _tree(), [], [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 def _rss_kb(pid: int) -> int | None:
@@ -136,17 +110,6 @@ class Output:
                     raise RuntimeError(f"never saw {pattern!r} within {timeout_s:g} s")
 
 
-def _start_again(node: int, agent: int, world: int) -> subprocess.Popen:
-    """Node ``node``'s agent, started again the way the launcher started it (its job folder found by its pid file)."""
-    from hybrid.runtime.launch import local_agent_env
-
-    pid_file = next(p for p in Path(tempfile.gettempdir()).glob(f"hybrid-job-*/agent-{node}.pid")
-                    if p.read_text() == str(agent))
-    return subprocess.Popen([sys.executable, "-m", "hybrid.runtime.agent", str(pid_file.parent), str(node)],
-                            env={**os.environ, **local_agent_env(world), "GLOO_SOCKET_IFNAME": "lo"},
-                            start_new_session=True)
-
-
 def soak(args: argparse.Namespace, where: Path) -> dict:
     job = subprocess.Popen(
         [sys.executable, "-m", "hybrid.train", f"cluster.nnodes={args.nodes}", f"cluster.nproc_per_node={args.nproc}",
@@ -164,15 +127,15 @@ def soak(args: argparse.Namespace, where: Path) -> dict:
 
     def sample() -> None:
         while not stop.is_set():
-            tree = _tree()
+            children = tree()
             roots = [job.pid, *(a.pid for a in again if a.poll() is None)]
             now, step = time.monotonic(), out.step
             for root in roots:
-                for pid in [root, *_under(root, tree)] if root != job.pid else _under(root, tree):
-                    name = _name(pid)
-                    if name.startswith("hybrid-rank-"):
-                        agent = next((a for a in [root, *_under(root, tree)] if pid in tree.get(a, [])), None)
-                        node = _name(agent).removeprefix("hybrid-agent-") if agent else "?"
+                for pid in [root, *under(root, children)] if root != job.pid else under(root, children):
+                    process = name(pid)
+                    if process.startswith("hybrid-rank-"):
+                        agent = next((a for a in [root, *under(root, children)] if pid in children.get(a, [])), None)
+                        node = name(agent).removeprefix("hybrid-agent-") if agent else "?"
                         rss, fds = _rss_kb(pid), _fds(pid)
                         if rss is not None and fds is not None:
                             samples.append({"t": now - started, "step": step, "pid": pid, "node": node,
@@ -187,11 +150,11 @@ def soak(args: argparse.Namespace, where: Path) -> dict:
         # The last loss leaves room for the return (about 10 s of steps here) before the run's end.
         for target in range(args.kill_every, args.steps - args.kill_every // 2, args.kill_every):
             seen = out.wait_step(target)
-            tree = _tree()
-            agents = [p for p in _under(job.pid, tree) + [a.pid for a in again if a.poll() is None]
-                      if _name(p) == f"hybrid-agent-{args.victim}"]
+            children = tree()
+            agents = [p for p in under(job.pid, children) + [a.pid for a in again if a.poll() is None]
+                      if name(p) == f"hybrid-agent-{args.victim}"]
             victim = agents[-1]
-            killed = [victim, *_under(victim, tree)]
+            killed = [victim, *under(victim, children)]
             at = out.step
             for pid in killed:
                 os.kill(pid, signal.SIGKILL)
@@ -200,7 +163,7 @@ def soak(args: argparse.Namespace, where: Path) -> dict:
             lost_s = time.monotonic() - t0
             seen, _ = out.wait_for(r"^step \d+/", seen)
             t1 = time.monotonic()
-            again.append(_start_again(args.victim, victim, args.nodes * args.nproc))
+            again.append(start_again(args.victim, victim, args.nodes * args.nproc))
             try:
                 seen, back = out.wait_for(r"^resumed from step (\d+)", seen)
             except RuntimeError:  # the run ended first: the returning node found nothing to join

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from hybrid.app.config import TrainConfig
 from hybrid.app.state.held import HeldState, checkpoint_meta
-from hybrid.core.comm.ordered_stream import OrderedStream
+from hybrid.core.comm.ordered_stream import OrderedStream, drop_tracebacks
 from hybrid.core.topology import Topology, WorkerEnv
 from hybrid.runtime.agent import attempt_prefix, nodes_at_end_key
 from hybrid.runtime.distributed import cut_connections, socket_inodes
@@ -288,11 +288,7 @@ def _forget_frames(exc: BaseException | None) -> None:
     locals: DDP, the communicator and its groups. A gloo group's connections close only when the last
     reference to it goes (neither abort nor destroy closes them), and until they close a peer blocked on
     one of them waits for its timeout."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        exc.__traceback__ = None
-        exc = exc.__context__ or exc.__cause__
+    drop_tracebacks(exc)
 
 
 def _leave_groups() -> None:

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["OrderedStream"]
+__all__ = ["OrderedStream", "drop_tracebacks"]
 
 _LIVE: "weakref.WeakSet[OrderedStream]" = weakref.WeakSet()  # for OrderedStream.forget_failures
 
@@ -46,6 +46,16 @@ class _Job:
     device: "torch.device | None" = None
     on_start: Callable[[], None] | None = None
     on_finish: Callable[[], None] | None = None
+
+
+def drop_tracebacks(exc: BaseException | None) -> None:
+    """Clear the traceback of ``exc`` and of every exception it chains (context or cause): the frames they keep
+    alive, with their locals, go."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        exc = exc.__context__ or exc.__cause__
 
 
 class OrderedStream:
@@ -79,11 +89,7 @@ class OrderedStream:
             with stream._lock:
                 failures, stream._failures = stream._failures, []
             for exc in failures:
-                seen: set[int] = set()
-                while exc is not None and id(exc) not in seen:
-                    seen.add(id(exc))
-                    exc.__traceback__ = None
-                    exc = exc.__cause__ or exc.__context__
+                drop_tracebacks(exc)
                 dropped += 1
         return dropped
 

@@ -1,0 +1,55 @@
+"""The process tree of a local hybrid job, and a lost node's agent started again: what the recovery experiments
+(kill_a_node.py, soak.py) share."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["name", "start_again", "tree", "under"]
+
+
+def tree() -> dict[int, list[int]]:
+    """Every process's children, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    return children
+
+
+def under(pid: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    """Every descendant of ``pid`` (in ``children``, default: read now)."""
+    children, out, todo = children or tree(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def name(pid: int) -> str:
+    """A process's name (hybrid names its agents hybrid-agent-N and its workers hybrid-rank-R)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def start_again(node: int, agent: int, world: int) -> subprocess.Popen:
+    """Node ``node``'s agent, started again the way the launcher started it (its job folder found by the pid file
+    each agent writes, holding the lost agent's pid ``agent``)."""
+    from hybrid.runtime.launch import local_agent_env
+
+    pid_file = next(p for p in Path(tempfile.gettempdir()).glob(f"hybrid-job-*/agent-{node}.pid")
+                    if p.read_text() == str(agent))
+    return subprocess.Popen([sys.executable, "-m", "hybrid.runtime.agent", str(pid_file.parent), str(node)],
+                            env={**os.environ, **local_agent_env(world), "GLOO_SOCKET_IFNAME": "lo"},
+                            start_new_session=True)
