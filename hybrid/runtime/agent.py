@@ -92,6 +92,12 @@ def _agent_class(keep_workers_on_join: bool = False, node: int = 0, endpoint: st
                 return super()._invoke_run(role)
             except RendezvousConnectionError as exc:
                 raise StoreLost(f"node {node} {watch.lost(exc)}") from None
+            except Exception:
+                # The watch saw the store go: whatever failed on it next (a store call outside the rendezvous,
+                # as the exit barrier's, fails with torch's DistNetworkError on a busy machine) is that loss.
+                if watch.said is not None:
+                    raise StoreLost(f"node {node} {watch.said}") from None
+                raise
             finally:
                 watch.stop()
 
