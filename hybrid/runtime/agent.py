@@ -82,9 +82,7 @@ def _agent_class(keep_workers_on_join: bool = False, node: int = 0, endpoint: st
 
     class HybridAgent(LocalElasticAgent):
         def _invoke_run(self, role: str = "default") -> Any:
-            if endpoint.startswith(ETCD_SCHEME):
-                # The monitor asks the rendezvous every look; on etcd, losing a member (the leader) fails a call
-                # or two while the others elect a new one: ride that out instead of ending the node.
+            if endpoint.startswith(ETCD_SCHEME):  # a leader's loss fails a look or two: ride the election out
                 handler = self._worker_group.spec.rdzv_handler
                 handler.num_nodes_waiting = retrying(handler.num_nodes_waiting)
             watch = StoreWatch(f"hybrid agent: node {node}", endpoint, "stopping this node's workers")
@@ -93,8 +91,7 @@ def _agent_class(keep_workers_on_join: bool = False, node: int = 0, endpoint: st
             except RendezvousConnectionError as exc:
                 raise StoreLost(f"node {node} {watch.lost(exc)}") from None
             except Exception:
-                # The watch saw the store go: whatever failed on it next (a store call outside the rendezvous,
-                # as the exit barrier's, fails with torch's DistNetworkError on a busy machine) is that loss.
+                # The store went (its watch saw it): the exit barrier's DistNetworkError, say, is that loss.
                 if watch.said is not None:
                     raise StoreLost(f"node {node} {watch.said}") from None
                 raise
