@@ -206,7 +206,8 @@ def test_diloco_outer_loop_is_data_parallel_in_its_exact_case_and_keeps_nodes_in
     and inner SGD: within assert_close of plain data-parallel SGD (gradients averaged over all four ranks), through
     the leaders and sharded. H=8 with the paper's outer optimizer (Nesterov, lr 0.7, momentum 0.9) and inner
     momentum: the two workers of each node bit-identical after every step, all four after each outer step (8, 16)
-    and not in between; a run rebuilt from its state dicts after step 13 equals the straight run bitwise."""
+    and not in between, and the same bits when a sync goes a tensor at a time; a run rebuilt from its state dicts
+    after step 13 equals the straight run bitwise."""
     import torch
 
     results = job("2x2")
@@ -225,6 +226,8 @@ def test_diloco_outer_loop_is_data_parallel_in_its_exact_case_and_keeps_nodes_in
             everyone = len({run["digests"][step] for run in runs}) == 1
             assert same_node, (inter, step + 1)
             assert everyone == ((step + 1) % 8 == 0), (inter, step + 1)
+        # A sync one tensor at a time (the pieces that bound its memory) gives the same bits as one exchange.
+        assert [r["diloco"][f"h8_pieces_{inter}"]["digests"] for r in by_rank] == [run["digests"] for run in runs]
     # Streaming, two fragments (the first layer; the rest), H=8: fragment 0 syncs at steps 4, 12, 20 and fragment 1
     # at 8, 16, each identical on every rank just then, and each node's workers identical throughout.
     runs = [r["diloco"]["h8_streaming"] for r in by_rank]

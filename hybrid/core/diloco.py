@@ -47,6 +47,7 @@ pseudo-gradient is lr x the node's mean gradient).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -58,9 +59,12 @@ from hybrid.core.comm.counters import PhaseCounters, allreduce_bytes, rooted_byt
 from hybrid.core.comm.groups import CommGroups
 from hybrid.core.pseudo_grad_codec import CODECS, EncodedGather, wire_bytes
 
-__all__ = ["INTER_MODES", "OuterSync", "default_outer_optimizer"]
+__all__ = ["INTER_MODES", "OuterSync", "PIECE_BYTES", "default_outer_optimizer"]
 
 INTER_MODES = ("hierarchical", "sharded")
+# A sync without overlap holds the pseudo-gradient of this much of the model at a time (whole tensors; a larger
+# tensor is a piece of its own): rank 0's memory at a sync is the model's state plus a piece, not plus a copy.
+PIECE_BYTES = 4 << 20
 
 
 def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -104,12 +108,14 @@ class OuterSync:
     from the global weights (a ``torch.optim`` class with its arguments bound, e.g.
     ``functools.partial(torch.optim.SGD, lr=0.7)``). ``counters``: the exchange's time and bytes, as phases
     ``inter_allreduce`` (among nodes) and ``intra_broadcast`` (the mean spread inside the node).
+    ``piece_bytes``: a sync without overlap averages and applies the pseudo-gradient this much at a time.
     Collective: every rank of the job constructs it and calls ``step`` with the same counts."""
 
     def __init__(self, params: Iterable[torch.Tensor], groups: CommGroups, *, sync_every: int,
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = default_outer_optimizer,
                  inter: str = "hierarchical", fragments: int = 1, compression: str = "none",
-                 overlap: bool = False, overlap_steps: int = 1, counters: PhaseCounters | None = None) -> None:
+                 overlap: bool = False, overlap_steps: int = 1, counters: PhaseCounters | None = None,
+                 piece_bytes: int = PIECE_BYTES) -> None:
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} must be an integer >= 1 (inner steps between syncs)")
         if inter not in INTER_MODES:
@@ -139,6 +145,8 @@ class OuterSync:
         self.global_params = [p.detach().clone().float() for p in self.params]
         self.outer = outer_optimizer(self.global_params)
         self.fragments = _fragments([p.numel() for p in self.params], fragments)
+        self._pieces = [_pieces(run, [self.global_params[i].nbytes for i in run], piece_bytes)
+                        for run in self.fragments]
         self.syncs = 0
         self.last_pseudo_grad_norm = 0.0
         self.bytes_per_sync = self._bytes_per_sync()
@@ -158,9 +166,10 @@ class OuterSync:
         landed = self._land_due(inner_step)
         for f in range(len(self.fragments)):
             if inner_step % self.sync_every == self.offset(f):
-                exchange = self._start(f, inner_step + self.delay)
-                if not self.overlap:
-                    self._land(exchange, drifted=False)
+                if self.overlap:
+                    self._start(f, inner_step + self.delay)
+                else:
+                    self._sync_now(f)
                     landed = True
         return landed
 
@@ -172,7 +181,7 @@ class OuterSync:
             self._land(exchange, drifted=exchange.due - self.delay < inner_step)
         for f in range(len(self.fragments)):
             if not self._clean[f]:
-                self._land(self._start(f, inner_step, background=False), drifted=False)
+                self._sync_now(f)
 
     def offset(self, fragment: int) -> int:
         """Where in each interval ``fragment`` syncs: (f + 1) H / F mod H (the last fragment at H, i.e. 0)."""
@@ -182,7 +191,7 @@ class OuterSync:
     def sync(self, fragment: int = 0) -> None:
         """Average one fragment's pseudo-gradient among nodes, take an outer step on it, continue every worker
         from its result (with one fragment: all the parameters), now, whatever the schedule."""
-        self._land(self._start(fragment, 0, background=False), drifted=False)
+        self._sync_now(fragment)
 
     def _land_due(self, inner_step: int) -> bool:
         due = [e for e in self._pending if e.due <= inner_step]
@@ -192,42 +201,74 @@ class OuterSync:
         return bool(due)
 
     @torch.no_grad()
-    def _start(self, fragment: int, due: int, background: bool | None = None) -> _Exchange:
-        """This node's pseudo-gradient of ``fragment`` (global minus local weights) sent on its way."""
+    def _start(self, fragment: int, due: int) -> _Exchange:
+        """This node's pseudo-gradient of ``fragment`` (global minus local weights) sent on its way, to land at
+        the end of inner step ``due`` (overlap: the whole fragment travels while the inner steps go on)."""
         chosen = self.fragments[fragment]
         local = torch.cat([self.params[i].detach().float().reshape(-1) for i in chosen])
-        delta = torch.cat([self.global_params[i].reshape(-1) for i in chosen]) - local
-        background = self.overlap if background is None else background
-        exchange = _Exchange(fragment, due, delta, local if background else None, self._start_average(delta))
-        if background:
-            self._pending.append(exchange)
+        delta = self._pseudo_grad(chosen)
+        exchange = _Exchange(fragment, due, delta, local, self._start_average(delta))
+        self._pending.append(exchange)
         return exchange
 
     @torch.no_grad()
+    def _sync_now(self, fragment: int) -> None:
+        """Sync ``fragment`` at once, a piece of at most ``piece_bytes`` at a time: its pseudo-gradient averaged
+        among nodes, the outer step, every worker continued from the new global weights. Only one piece's
+        pseudo-gradient is held at a time, so a sync costs a piece of memory, not a copy of the model. The outer
+        optimizer steps each piece's parameters on their own (torch's optimizers update parameters one by one
+        and skip those without a gradient), and an all-reduce sums each element alike however the buffer is cut,
+        so the result is the same as one exchange of the whole fragment."""
+        norms = []
+        for piece in self._pieces[fragment]:
+            delta = self._pseudo_grad(piece)
+            complete = self._start_average(delta)
+            if complete is not None:
+                complete()
+            norms.append(float(delta.norm()))
+            self._outer_step(piece, delta, None)
+        self.last_pseudo_grad_norm = math.hypot(*norms)
+        self._clean[fragment] = True
+        self.syncs += 1
+
+    def _pseudo_grad(self, chosen: list[int]) -> torch.Tensor:
+        """Global minus local weights of the tensors ``chosen``, flat fp32, written in one buffer."""
+        delta = torch.empty(sum(self.global_params[i].numel() for i in chosen), dtype=torch.float32,
+                            device=self.global_params[0].device)
+        offset = 0
+        for i in chosen:
+            g, n = self.global_params[i], self.global_params[i].numel()
+            torch.sub(g.reshape(-1), self.params[i].detach().reshape(-1).float(), out=delta[offset:offset + n])
+            offset += n
+        return delta
+
+    @torch.no_grad()
     def _land(self, exchange: _Exchange, drifted: bool) -> None:
-        """Take the outer step on the mean pseudo-gradient and continue from the new global weights (with the
-        inner steps taken since the exchange left, where ``drifted``)."""
+        """Take the outer step on the mean pseudo-gradient of an exchange that travelled in the background and
+        continue from the new global weights (plus the inner steps taken since it left, where ``drifted``)."""
         self._complete(exchange)
-        delta = exchange.delta
-        self.last_pseudo_grad_norm = float(delta.norm())
-        chosen = self.fragments[exchange.fragment]
+        self.last_pseudo_grad_norm = float(exchange.delta.norm())
+        self._outer_step(self.fragments[exchange.fragment], exchange.delta, exchange.sent if drifted else None)
+        self._clean[exchange.fragment] = not drifted
+        self.syncs += 1
+
+    def _outer_step(self, chosen: list[int], delta: torch.Tensor, sent: torch.Tensor | None) -> None:
+        """The outer optimizer's step on the tensors ``chosen`` with the mean pseudo-gradient ``delta``; each
+        worker continues from the new global weights (plus what it moved since ``sent``, where given)."""
         pairs = [(self.global_params[i], self.params[i]) for i in chosen]
         offset = 0
         for g, _ in pairs:
             g.grad = delta[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
-        self.outer.step()  # torch's optimizers skip parameters without a gradient: the other fragments
+        self.outer.step()  # torch's optimizers skip parameters without a gradient: the other tensors
         offset = 0
         for g, p in pairs:
-            if drifted and exchange.sent is not None:  # keep the inner steps taken while it travelled
-                moved = p.detach().float() - exchange.sent[offset:offset + g.numel()].view_as(g)
-                p.copy_(g + moved)
+            if sent is not None:  # keep the inner steps taken while it travelled
+                p.copy_(g + (p.detach().float() - sent[offset:offset + g.numel()].view_as(g)))
             else:
                 p.copy_(g)
             offset += g.numel()
             g.grad = None
-        self._clean[exchange.fragment] = not drifted
-        self.syncs += 1
 
     def _complete(self, exchange: _Exchange) -> None:
         if exchange.complete is not None:
@@ -290,10 +331,11 @@ class OuterSync:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume bitwise anywhere inside an interval. Collective where an exchange
         is in flight (overlap): it is waited for, and its mean saved with the weights it left from, which
-        differ per node."""
+        differ per node. Like torch's own ``state_dict``, it refers to the live tensors (a checkpoint writes
+        them at once; copy it to keep it past the next step)."""
         for exchange in self._pending:
             self._complete(exchange)
-        return {"global_params": [g.clone() for g in self.global_params], "outer": self.outer.state_dict(),
+        return {"global_params": list(self.global_params), "outer": self.outer.state_dict(),
                 "syncs": self.syncs, "sync_every": self.sync_every, "fragments": len(self.fragments),
                 "clean": list(self._clean),
                 "pending": [{"fragment": e.fragment, "due": e.due, "delta": e.delta.clone(),
@@ -331,3 +373,17 @@ def _fragments(sizes: list[int], count: int) -> list[list[int]]:
         left -= total
     runs[-1].extend(range(start, len(sizes)))
     return runs
+
+
+def _pieces(run: list[int], nbytes: list[int], limit: int) -> list[list[int]]:
+    """The tensors ``run`` cut into runs of consecutive ones of at most ``limit`` bytes together (a tensor larger
+    than that alone), in order."""
+    pieces: list[list[int]] = []
+    total = 0
+    for i, size in zip(run, nbytes, strict=True):
+        if not pieces or total + size > limit:
+            pieces.append([])
+            total = 0
+        pieces[-1].append(i)
+        total += size
+    return pieces

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.core.comm.base import Communicator
+from hybrid.core.untouched import untouched_tensor
 
 __all__ = ["ELEMENTWISE", "BucketShards", "GatheredState", "NoState", "Segment", "ShardLayout", "check_elementwise", "collective", "segments_of",
            "slice_of"]
@@ -234,7 +235,7 @@ class ShardLayout:
 
     def deferred_state(self) -> tuple[dict[int, dict[str, Any]], "GatheredState"]:
         """torch's whole-tensor optimizer state with its elementwise tensors left as placeholders (views of one
-        ``torch.empty`` per bucket and entry, on rank 0 only), and what fills them: the node's gather of each, one
+        untouched mapping per bucket and entry, on rank 0 only: :mod:`hybrid.core.untouched`), and what fills them: the node's gather of each, one
         at a time (:meth:`GatheredState.fill`). What a checkpoint writer streams to disk instead of holding the
         whole state (:mod:`hybrid.app.state.streamed_save`). Collective over the node."""
         state, kinds = self._skeleton()
@@ -243,7 +244,7 @@ class ShardLayout:
         placeholders: dict[tuple[int, str], torch.Tensor] = {}
         if self.comm.topology.rank == 0:
             for b, key, dtype in jobs:
-                whole = placeholders[(b.index, key)] = torch.empty(b.numel, dtype=dtype)
+                whole = placeholders[(b.index, key)] = untouched_tensor((b.numel,), dtype)
                 for param, tensor, offset in zip(b.params, b.tensors, b.offsets):
                     if param >= 0 and key in state.get(param, {}):
                         state[param][key] = whole[offset:offset + tensor.numel()].view(tensor.shape)

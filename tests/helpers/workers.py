@@ -525,7 +525,7 @@ def case_profiler(topo: Topology, groups: CommGroups, params: dict) -> dict[str,
 
 def _diloco_run(topo: Topology, groups: CommGroups, steps: int, sync_every: int, inter: str | None,
                 outer: Any = None, momentum: float = 0.0, stop_at: int = 0, fragments: int = 1,
-                compression: str = "none", overlap: bool = False) -> dict[str, Any]:
+                compression: str = "none", overlap: bool = False, piece_bytes: int | None = None) -> dict[str, Any]:
     """Train a small MLP ``steps`` inner steps on this rank's own batches: gradients averaged inside the node
     every step, and OuterSync across nodes every ``sync_every`` (``inter`` None: plain data parallel, gradients
     averaged over every rank, the reference). ``stop_at``: rebuild model, optimizers and OuterSync from their
@@ -541,7 +541,8 @@ after every step, and of the weights after ``OuterSync.finish``."""
         sync = None if inter is None else OuterSync(model.parameters(), groups, sync_every=sync_every, inter=inter,
                                                      outer_optimizer=outer or default_outer_optimizer,
                                                      fragments=fragments, compression=compression,
-                                                     overlap=overlap)
+                                                     overlap=overlap,
+                                                     **({"piece_bytes": piece_bytes} if piece_bytes else {}))
         return model, inner, sync
 
     model, inner, sync = build()
@@ -591,6 +592,7 @@ def case_diloco(topo: Topology, groups: CommGroups, params: dict) -> dict[str, A
     for inter in ("hierarchical", "sharded"):
         out[f"exact_{inter}"] = _diloco_run(topo, groups, steps, 1, inter, outer=exact_outer)
         out[f"h8_{inter}"] = _diloco_run(topo, groups, steps, 8, inter, momentum=0.9)
+        out[f"h8_pieces_{inter}"] = _diloco_run(topo, groups, steps, 8, inter, momentum=0.9, piece_bytes=1)
     out["h8_resumed"] = _diloco_run(topo, groups, steps, 8, "hierarchical", momentum=0.9, stop_at=13)
     out["h8_streaming"] = _diloco_run(topo, groups, steps, 8, "sharded", momentum=0.9, fragments=2)
     for inter in ("hierarchical", "sharded"):

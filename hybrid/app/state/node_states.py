@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.app.state.to_rank0 import gather_to_rank0
+from hybrid.core.untouched import untouched_tensor
 
 __all__ = ["PIECE_BYTES", "StreamedNodeStates", "skeleton_of", "tensors_of"]
 
@@ -55,7 +56,7 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
 
 def _placeholder(t: torch.Tensor) -> torch.Tensor:
     # Never touched: address space until streamed_save writes the file around it.
-    return torch.empty(t.shape, dtype=t.dtype)
+    return untouched_tensor(t.shape, t.dtype)
 
 
 class StreamedNodeStates:
@@ -92,10 +93,12 @@ class StreamedNodeStates:
                         end = min(flat.numel(), start + max(1, PIECE_BYTES // max(1, flat.element_size())))
                         dist.send(flat[start:end].contiguous(), dst=0)
             elif self.rank == 0:
+                inbox = untouched_tensor((PIECE_BYTES,), torch.uint8)  # one buffer for every piece, outside the heap
                 for placeholder in tensors_of(self._entries[node]):
                     step = max(1, PIECE_BYTES // max(1, placeholder.element_size()))
                     for start in range(0, placeholder.numel(), step):
-                        piece = torch.empty(min(placeholder.numel(), start + step) - start, dtype=placeholder.dtype)
+                        count = min(placeholder.numel(), start + step) - start
+                        piece = inbox[:count * placeholder.element_size()].view(placeholder.dtype)
                         dist.recv(piece, src=leader)
                         if write is not None:
                             write(placeholder, piece, start)
