@@ -53,6 +53,7 @@ from hybrid.core.comm.groups import resolve_backend
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology, WorkerEnv, discover_topology
 from hybrid.runtime.distributed import broadcast_from_rank0, init_distributed, shutdown_distributed
+from hybrid.runtime.heap import limit_arenas
 from hybrid.runtime.launch import PEER_GRACE_S, is_consequence
 from hybrid.runtime.quorum import JobEnded
 
@@ -74,6 +75,7 @@ def buffer_sync(model: torch.nn.Module) -> dict[str, bool]:
 
 def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
     """Train on this rank; rank 0 returns the final metrics (also written to metrics.json)."""
+    limit_arenas()  # before the groups' threads: a long run's heap stays flat (hybrid.runtime.heap)
     if cfg.cluster.recovery == IN_PLACE:
         return run_in_place(cfg, run_dir)
     env = init_distributed(cfg.comm.timeout_s)

@@ -47,6 +47,7 @@ from hybrid.runtime.agent import attempt_prefix, nodes_at_end_key
 from hybrid.runtime.distributed import cut_connections, socket_inodes
 from hybrid.runtime.etcd_store import ETCD_SCHEME, connect_store, members_of
 from hybrid.runtime.exit_barrier import count_in_lost_agents
+from hybrid.runtime.heap import trim_heap
 from hybrid.runtime.launch import is_consequence
 from hybrid.runtime.quorum import HEARTBEAT_S, MakeRoom, Member, Membership, Quorum
 from hybrid.runtime.rdzv_store import NODE_ENV, STORE_ENV
@@ -314,19 +315,7 @@ def _leave_groups() -> None:
         c10d._world.pg_map.clear()
         c10d._update_default_pg(None)
     gc.collect()  # DDP and the communicator hold their groups in reference cycles
-    _trim_heap()
-
-
-def _trim_heap() -> None:
-    """Give the freed session's memory back to the system (glibc's ``malloc_trim``): without it every recovery
-    leaves the heap at its high-water mark, and a long run's resident set creeps up a few MB per loss and
-    return (experiments/recovery/soak.py). Elsewhere (another C library) nothing is done."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim_heap()
 
 
 def _export(env: WorkerEnv, nnodes: int) -> None:
