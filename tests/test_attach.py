@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
     ({"timeout_s": 0}, "timeout_s=0 must be > 0 seconds"),
     ({"chunk_bytes": 0}, "chunk_bytes=0 must be a positive number of bytes"),
     ({"inter_compression": "int8"}, "inter_compression='int8' is not one of none, bf16, fp16"),
-    ({"algorithm": "flat", "inter_compression": "bf16"}, "flat has no inter-node hop of its own"),
+    ({"algorithm": "flat", "inter_compression": "bf16"}, "algorithm=flat has none: use none"),
 ])
 def test_bad_options_are_named_with_what_is_allowed(options, says):
     with pytest.raises(ValueError) as err:

@@ -20,8 +20,8 @@ from typing import Any
 
 from hybrid.app.targets import Component, component_of, current_target, label_of
 from hybrid.core.comm.compression import INTER_COMPRESSIONS
-from hybrid.core.comm.groups import BACKENDS
-from hybrid.core.comm.registry import CHOOSABLE, COMPRESSIBLE
+from hybrid.core.comm.options import check_comm_options, one_of
+from hybrid.core.comm.registry import CHOOSABLE
 from hybrid.core.diloco import INTER_MODES
 from hybrid.core.pseudo_grad_codec import CODECS
 from hybrid.core.topology import Layout
@@ -224,26 +224,19 @@ class CommConfig:
         return max(1, int(self.pipeline_chunk_mb * 2**20))
 
     def __post_init__(self) -> None:
-        if self.algorithm not in COMM_ALGORITHMS:
-            raise ValueError(f"comm.algorithm={self.algorithm!r} is not one of {', '.join(COMM_ALGORITHMS)}")
-        for level in ("intra", "inter"):
-            value = getattr(self, f"{level}_backend")
-            if value not in BACKENDS:
-                raise ValueError(f"comm.{level}_backend={value!r} is not one of {', '.join(BACKENDS)}")
+        # The rules hybrid.attach's options share (one wording): algorithm, backends, timeout, compression.
+        check_comm_options(algorithm=self.algorithm, intra_backend=self.intra_backend,
+                           inter_backend=self.inter_backend, timeout_s=self.timeout_s, chunk_bytes=self.chunk_bytes,
+                           inter_compression=None if self.algorithm == DILOCO else self.inter_compression,
+                           algorithms=COMM_ALGORITHMS, prefix="comm.", algorithm_key="comm",
+                           elsewhere={codec: DILOCO for codec in CODECS if codec not in INTER_COMPRESSIONS})
+        if not self.pipeline_chunk_mb > 0:
+            raise ValueError(f"comm.pipeline_chunk_mb={self.pipeline_chunk_mb} must be > 0")
         if self.algorithm == DILOCO:
             self._check_diloco()
         else:
             self._refuse_diloco_keys()
-        if self.algorithm != DILOCO and self.inter_compression not in INTER_COMPRESSIONS:
-            raise ValueError(f"comm.inter_compression={self.inter_compression!r} is not one of "
-                             f"{', '.join(INTER_COMPRESSIONS)}"
-                             + (" (fp8 is comm=diloco's)" if self.inter_compression in CODECS else ""))
-        if self.inter_compression != "none" and self.algorithm not in (*COMPRESSIBLE, DILOCO):
-            raise ValueError(f"comm.inter_compression={self.inter_compression!r} compresses the inter-node phase of "
-                             f"hierarchical and sharded (and auto's choices of them); comm={self.algorithm} has "
-                             "none: use none")
-        if self.torch_hook not in TORCH_HOOKS:
-            raise ValueError(f"comm.torch_hook={self.torch_hook!r} is not one of {', '.join(TORCH_HOOKS)}")
+        one_of("comm.torch_hook", self.torch_hook, TORCH_HOOKS)
         if self.torch_hook != "none" and self.algorithm != "ddp":
             raise ValueError(f"comm.torch_hook={self.torch_hook} registers one of torch's own hooks on plain DDP; "
                              f"comm={self.algorithm} has its own communication: use comm=ddp or torch_hook=none")
@@ -256,10 +249,6 @@ class CommConfig:
             self._check_shard_optimizer()
         if not self.bucket_mb > 0:
             raise ValueError(f"comm.bucket_mb={self.bucket_mb} must be > 0 (MiB per DDP bucket)")
-        if not self.pipeline_chunk_mb > 0:
-            raise ValueError(f"comm.pipeline_chunk_mb={self.pipeline_chunk_mb} must be > 0")
-        if not self.timeout_s > 0:
-            raise ValueError(f"comm.timeout_s={self.timeout_s} must be > 0 seconds")
 
     def _check_shard_optimizer(self) -> None:
         if self.algorithm not in SHARDS_OPTIMIZER:
@@ -278,13 +267,11 @@ class CommConfig:
     def _check_diloco(self) -> None:
         if isinstance(self.sync_every, bool) or not self.sync_every >= 1:
             raise ValueError(f"comm.sync_every={self.sync_every!r} must be >= 1 (inner steps between syncs)")
-        if self.inter not in INTER_MODES:
-            raise ValueError(f"comm.inter={self.inter!r} is not one of {', '.join(INTER_MODES)}")
+        one_of("comm.inter", self.inter, INTER_MODES)
         if not 1 <= self.fragments <= self.sync_every or self.sync_every % self.fragments:
             raise ValueError(f"comm.fragments={self.fragments!r} must divide comm.sync_every={self.sync_every} "
                              "(each fragment syncs once per interval, at its own step)")
-        if self.inter_compression not in CODECS:
-            raise ValueError(f"comm.inter_compression={self.inter_compression!r} is not one of {', '.join(CODECS)}")
+        one_of("comm.inter_compression", self.inter_compression, CODECS)
         if not 1 <= self.overlap_steps <= self.sync_every // self.fragments:
             raise ValueError(f"comm.overlap_steps={self.overlap_steps!r} must be in 1..{self.sync_every // self.fragments}"
                              " (comm.sync_every / comm.fragments: an exchange lands before the next one leaves)")
@@ -424,11 +411,6 @@ def packaged_conf_dir() -> Path:
     return Path(str(importlib.resources.files(CONF_PACKAGE)))
 
 
-def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{key}={value!r} is not one of {', '.join(allowed)}")
-
-
 def _at_least(key: str, value: Any, low: float) -> None:
     if not value >= low:
         raise ValueError(f"{key}={value!r} must be >= {low:g}")
@@ -486,7 +468,7 @@ def validate(cfg: TrainSchema) -> TrainConfig:
 
 
 def _validate_recovery(c: ClusterConfig, comm: str) -> None:
-    _one_of("cluster.recovery", c.recovery, RECOVERY_MODES)
+    one_of("cluster.recovery", c.recovery, RECOVERY_MODES)
     if c.recovery != IN_PLACE:
         return
     if not 0 < c.min_nnodes < c.nnodes:
@@ -525,8 +507,8 @@ def _validate_cluster(c: ClusterConfig) -> None:
     if not 0 <= c.rdzv_port <= 65535:
         raise ValueError(f"cluster.rdzv_port={c.rdzv_port!r} must be 0 (derived from the Slurm job id) "
                          "or a port, 1-65535")
-    _one_of("cluster.intra_mode", c.intra_mode, INTRA_MODES)
-    _one_of("cluster.rdzv_backend", c.rdzv_backend, RDZV_BACKENDS)
+    one_of("cluster.intra_mode", c.intra_mode, INTRA_MODES)
+    one_of("cluster.rdzv_backend", c.rdzv_backend, RDZV_BACKENDS)
     if c.rdzv_backend == "etcd":
         _validate_etcd(c)
     elif c.rdzv_endpoint:
@@ -594,7 +576,7 @@ def _validate_loader(d: DataConfig) -> None:
 
 
 def _validate_schedule(o: OptimConfig) -> None:
-    _one_of("optim.schedule", o.schedule, SCHEDULES)
+    one_of("optim.schedule", o.schedule, SCHEDULES)
     _at_least("optim.warmup_steps", o.warmup_steps, 0)
     if not 0 <= o.min_lr_ratio <= 1:
         raise ValueError(f"optim.min_lr_ratio={o.min_lr_ratio!r} must be in [0, 1]")
@@ -607,13 +589,13 @@ def _validate_trainer(t: TrainerConfig) -> None:
     _at_least("trainer.stop_after", t.stop_after, 0)
     _at_least("trainer.log_every", t.log_every, 1)
     _at_least("trainer.num_threads", t.num_threads, 0)
-    _one_of("trainer.device", t.device, DEVICES)
+    one_of("trainer.device", t.device, DEVICES)
     _at_least("trainer.keep_checkpoints", t.keep_checkpoints, 1)
     _at_least("trainer.check_replicas_every", t.check_replicas_every, 0)
-    _one_of("trainer.nonfinite_grads", t.nonfinite_grads, NONFINITE_ACTIONS)
-    _one_of("trainer.precision", t.precision, PRECISIONS)
+    one_of("trainer.nonfinite_grads", t.nonfinite_grads, NONFINITE_ACTIONS)
+    one_of("trainer.precision", t.precision, PRECISIONS)
     _at_least("trainer.grad_clip_norm", t.grad_clip_norm, 0)
-    _one_of("trainer.elastic_lr", t.elastic_lr, ELASTIC_LR)
+    one_of("trainer.elastic_lr", t.elastic_lr, ELASTIC_LR)
     t.timeline_window  # noqa: B018 (validates)
     _at_least("trainer.straggler_margin", t.straggler_margin, 0)
     _at_least("trainer.straggler_steps", t.straggler_steps, 1)

@@ -28,9 +28,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hybrid.core.comm import (
-    BACKENDS,
-    CHOOSABLE,
-    INTER_COMPRESSIONS,
     CommGroups,
     CommHookState,
     Communicator,
@@ -40,6 +37,7 @@ from hybrid.core.comm import (
     register_comm_hook,
 )
 from hybrid.core.comm.base import DEFAULT_CHUNK_BYTES
+from hybrid.core.comm.options import check_comm_options
 from hybrid.core.node_sharded_optimizer import NodeShardedOptimizer
 from hybrid.core.nodes import RankReport, local_report, topology_from_reports
 from hybrid.core.topology import Topology
@@ -61,21 +59,7 @@ class CommOptions:
     inter_compression: str = "none"
 
     def __post_init__(self) -> None:
-        if self.algorithm not in CHOOSABLE:
-            raise ValueError(f"algorithm={self.algorithm!r} is not one of {', '.join(CHOOSABLE)}")
-        for level in ("intra", "inter"):
-            backend = getattr(self, f"{level}_backend")
-            if backend not in BACKENDS:
-                raise ValueError(f"{level}_backend={backend!r} is not one of {', '.join(BACKENDS)}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0 seconds")
-        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes={self.chunk_bytes!r} must be a positive number of bytes")
-        if self.inter_compression not in INTER_COMPRESSIONS:
-            raise ValueError(f"inter_compression={self.inter_compression!r} is not one of {', '.join(INTER_COMPRESSIONS)}")
-        if self.inter_compression != "none" and self.algorithm == "flat":
-            raise ValueError(f"inter_compression={self.inter_compression!r} needs a two-level algorithm "
-                             "(hierarchical, sharded, auto): flat has no inter-node hop of its own")
+        check_comm_options(**asdict(self))
 
 
 class Attached:
