@@ -19,11 +19,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hybrid"
 LAYERS = ("core", "runtime", "integrations", "app", "tools")  # lowest first
 ENTRY_POINTS = {"hybrid.train", "hybrid.bench", "hybrid.report", "hybrid.costmodel", "hybrid.testbed"}
 CORE_MUST_NOT_IMPORT = ("hydra", "omegaconf", "tensorboard", "torch.utils.tensorboard")
-# Inside the app, lowest first: the two base modules, then the rooms (sub-packages). Each imports only from
-# itself and what comes before it; the app's other top-level modules (the entry point, worker, set-up, loop,
-# checks) run the job and may import any of them, and none of these imports those.
-APP_ROOMS = ("hybrid.app.targets", "hybrid.app.config", "hybrid.app.components", "hybrid.app.state",
-             "hybrid.app.replicas", "hybrid.app.observability")
+# Inside the app, lowest first: the two base modules, then the sub-packages. Each imports only from itself and
+# what comes before it; the app's other top-level modules (the entry point, worker, set-up, loop, checks) run
+# the job and may import any of them, and none of these imports those.
+APP_LEVELS = ("hybrid.app.targets", "hybrid.app.config", "hybrid.app.components", "hybrid.app.state",
+              "hybrid.app.replicas", "hybrid.app.observability")
 
 
 def _modules() -> dict[str, Path]:
@@ -90,29 +90,30 @@ def test_imports_go_only_downward(module):
     assert upward == [], f"{module} ({layer_of(module)}) imports from above: {upward}"
 
 
-def app_room_of(module: str) -> int | None:
-    """The index of ``module``'s room in APP_ROOMS; len(APP_ROOMS) for the app's other top-level modules;
-    None outside the app."""
+def app_level_of(module: str) -> int | None:
+    """The index of ``module``'s base module or sub-package in APP_LEVELS; len(APP_LEVELS) for the app's other
+    top-level modules; None outside the app."""
     if layer_of(module) != "app" or module == "hybrid.app":
         return None
-    for i, room in enumerate(APP_ROOMS):
-        if module == room or module.startswith(room + "."):
+    for i, level in enumerate(APP_LEVELS):
+        if module == level or module.startswith(level + "."):
             return i
-    return len(APP_ROOMS)
+    return len(APP_LEVELS)
 
 
-def test_every_app_module_is_in_a_room_or_runs_the_job():
-    """Modules of the app's top level are few and named; everything else sits in a room."""
-    top = sorted(m for m in MODULES if app_room_of(m) == len(APP_ROOMS))
+def test_every_app_module_is_in_a_sub_package_or_runs_the_job():
+    """Modules of the app's top level are few and named; everything else is a base module or sits in a
+    sub-package."""
+    top = sorted(m for m in MODULES if app_level_of(m) == len(APP_LEVELS))
     assert top == ["hybrid.app.checks", "hybrid.app.loop", "hybrid.app.setup", "hybrid.app.slurm_launcher",
                    "hybrid.app.slurm_wait", "hybrid.app.train", "hybrid.app.worker"]
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if app_room_of(m) is not None))
-def test_app_rooms_import_only_from_rooms_before_them(module):
-    room = app_room_of(module)
-    upward = sorted(dep for dep in GRAPH[module] if app_room_of(dep) is not None and app_room_of(dep) > room)
-    assert upward == [], f"{module} imports from a room after its own: {upward}"
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if app_level_of(m) is not None))
+def test_app_sub_packages_import_only_from_those_before_them(module):
+    level = app_level_of(module)
+    upward = sorted(dep for dep in GRAPH[module] if app_level_of(dep) is not None and app_level_of(dep) > level)
+    assert upward == [], f"{module} imports from a sub-package after its own: {upward}"
 
 
 def test_nothing_of_ours_imports_the_integrations():
@@ -175,12 +176,12 @@ def test_the_checks_can_fail():
     top_level = {n.module for n in ast.parse(MODULES["hybrid.tools.bench_train"].read_text()).body
                  if isinstance(n, ast.ImportFrom)}
     assert "hybrid.app.worker" not in top_level and "hybrid.app.worker" in GRAPH["hybrid.tools.bench_train"]
-    assert app_room_of("hybrid.app.components.models") < app_room_of("hybrid.app.replicas.rank") < app_room_of("hybrid.app.worker")
+    assert app_level_of("hybrid.app.components.models") < app_level_of("hybrid.app.replicas.rank") < app_level_of("hybrid.app.worker")
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_no_function_is_longer_than_60_lines():
-    """Long functions were where set-up, stepping and reporting got tangled (the old 123-line loop)."""
+    """A long function is where set-up, stepping and reporting get tangled: each stays short enough to read whole."""
     long = sorted((node.end_lineno - node.lineno + 1, f"{module}.{node.name}")
                   for module, path in MODULES.items() for node in ast.walk(ast.parse(path.read_text()))
                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60)

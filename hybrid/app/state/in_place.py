@@ -111,7 +111,7 @@ class InPlace:
             epoch=lambda: self.membership.epoch if self.membership is not None else None,
             on_joiner=self._make_room, on_lost=self.store_watch.lost)
         self.cfg = cfg
-        self.run: Any = None  # the set-up's Training (hybrid.app.setup), which this room cannot import
+        self.run: Any = None  # the set-up's Training (hybrid.app.setup), which this sub-package cannot import
         self.run_path: Path | None = None
         self.held: HeldState | None = None
         self._session_start: int | None = None  # the step this session's training started at
