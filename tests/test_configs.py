@@ -98,8 +98,8 @@ def test_a_built_in_components_label_is_its_config_name():
     ("hybrid.app.models.Transformer", "hybrid.app.losses.cross_entropy", "hybrid.app.datasets.text"),
 ])
 def test_a_config_naming_the_former_module_paths_still_builds(model, loss, data, tmp_path):
-    """Configs and sweeps written before the built-in components moved into hybrid.app.components name
-    hybrid.app.models.MLP and friends: they compose, pair (a text model with data=text) and build as today's."""
+    """Configs and sweeps that name the built-in components directly under hybrid.app (hybrid.app.models.MLP
+    and friends) compose, pair (a text model with data=text) and build as the names under hybrid.app.components."""
     text = data.endswith("text")
     where = [] if text else [f"data.root={tmp_path}", "data.num_samples=64"]
     cfg = compose_with("data=text" if text else "data=synthetic", "model=transformer" if text else "model=mlp",

@@ -364,7 +364,7 @@ def test_a_node_given_a_quarter_of_the_cpu_is_named_the_slowest_and_equal_nodes_
                               f"data.root={tmp_path / 'data'}", f"hydra.run.dir={name}"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
-        # Each namespace's hosts file names the nodes: c10d's reverse lookups no longer fail (err=-3) per connection.
+        # Each namespace's hosts file names the nodes, so that c10d's reverse lookups do not fail (err=-3) per connection.
         assert "hostname of the client socket cannot be retrieved" not in out.stderr, out.stderr[-3000:]
         runs[name] = (out.stdout, json.loads((tmp_path / name / "metrics.json").read_text()))
     stdout, slow = runs["slow"]

@@ -98,7 +98,7 @@ def test_tensorboard_has_per_phase_scalars_and_hparams(default_run):
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
     hparams = start.session_start_info.hparams
     assert {"nnodes", "nproc_per_node", "comm", "bucket_mb", "param_bytes", "width", "depth"} <= set(hparams)
-    # Numbers as numbers (nproc_per_node was once the string '2'), names as strings.
+    # Numbers as numbers (nproc_per_node too, not the string '2'), names as strings.
     kinds = {k: v.WhichOneof("kind") for k, v in hparams.items()}
     numbers = {"nnodes", "nproc_per_node", "world_size", "bucket_mb", "param_bytes", "width", "depth", "batch_size", "lr"}
     assert {k for k, kind in kinds.items() if kind == "number_value"} == numbers, kinds

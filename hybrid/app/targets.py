@@ -27,8 +27,8 @@ from hydra.utils import instantiate
 
 __all__ = ["Component", "ComponentError", "component_of", "current_target", "first_line", "label_of", "require_int"]
 
-# Where hybrid's built-in components lived before the app was split into sub-packages: configs, sweeps and
-# checkpoints written then name these paths, and keep working (they are read as today's).
+# Built-in components named directly under hybrid.app, as older configs, sweeps and checkpoints name them:
+# they keep working, read as the same names under hybrid.app.components.
 MOVED_MODULES = {
     "hybrid.app.models.": "hybrid.app.components.models.",
     "hybrid.app.datasets.": "hybrid.app.components.datasets.",
@@ -121,7 +121,8 @@ def require_int(key: str, value: Any, low: int) -> None:
 
 
 def current_target(target: Any) -> Any:
-    """``target`` with a built-in component's former module path replaced by today's (anything else as is)."""
+    """``target`` with a built-in component's path under ``hybrid.app`` replaced by its path under
+    ``hybrid.app.components`` (anything else as is)."""
     if isinstance(target, str):
         for old, new in MOVED_MODULES.items():
             if target.startswith(old):

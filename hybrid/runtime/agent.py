@@ -1,8 +1,9 @@
-"""One simulated node's torch elastic agent, as its own process: ``python -m hybrid.agent JOB_DIR NODE``.
+"""One simulated node's torch elastic agent, as its own process: forked from the launch's fork server
+(:func:`run_forked_agent`), or ``python -m hybrid.runtime.agent JOB_DIR NODE`` in a network namespace.
 
 :mod:`hybrid.runtime.launch` writes the job (entry point, arguments, layout,
-rendezvous) into ``JOB_DIR`` and starts one of these per node, optionally
-inside that node's network namespace (``ip netns exec ...``). The agent runs
+rendezvous) into ``JOB_DIR`` and starts one of these per node, a node in a
+network namespace with that namespace's prefix (``ip netns exec ...``). The agent runs
 ``elastic_launch`` (torchrun's engine) for its node's workers and writes their
 return values, or the failure, to ``JOB_DIR/result-NODE.pkl``. The agent
 itself (:func:`run_node`) also runs each node of a Slurm job (:mod:`hybrid.runtime.slurm`).
@@ -269,10 +270,10 @@ def _leave_together(server: tuple[socket.socket, Any] | None, endpoint: str, run
     """Keep node 0's rendezvous store up until every other agent has closed its rendezvous.
 
     After the workers succeed, each agent passes torch's exit barrier and then closes the rendezvous, which
-    writes to the store node 0's agent hosts. Node 0 used to drop the store as soon as its own close was done,
-    so a later agent's close failed with a connection error and a C++ stack trace ("has failed to shutdown
-    the rendezvous"). Now each other agent counts itself out in the store once closed, and node 0 waits for
-    the ``nodes - 1`` of its final membership (at most :data:`LEAVE_TIMEOUT_S`)."""
+    writes to the store node 0's agent hosts: were node 0 to drop the store once its own close was done, a
+    later agent's close would fail with a connection error and a C++ stack trace ("has failed to shutdown the
+    rendezvous"). So each other agent counts itself out in the store once closed, and node 0 waits for the
+    ``nodes - 1`` of its final membership (at most :data:`LEAVE_TIMEOUT_S`)."""
     import time
     from datetime import timedelta
 

@@ -120,8 +120,8 @@ class SlurmNode:
             # Workers get a store of their own per (re)start, hosted by rank 0 (hybrid.runtime.distributed), as
             # in a local launch. torch's shared agent store keys each attempt by the agent's own restart count,
             # which differs between an agent whose workers failed (count + 1) and one that restarted them for
-            # the new membership (count kept): after a lost node the survivors then met under different keys
-            # and the job hung until its time limit (seen on the Slurm testbed, one run in two).
+            # the new membership (count kept): after a lost node the survivors would meet under different keys
+            # and the job hang until its time limit (seen on the Slurm testbed, one run in two).
             os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         return run_node(
             entrypoint, tuple(args), nnodes=self.nnodes, nproc_per_node=nproc, node_rank=self.rank,

@@ -5,5 +5,7 @@
 - :mod:`~hybrid.app.replicas.node_threads`: one process per node driving its devices' replicas in threads
   (``cluster.intra_mode=thread``);
 - :mod:`~hybrid.app.replicas.hsdp`: torch FSDP2 as HSDP (``comm=hsdp``);
-- :mod:`~hybrid.app.replicas.torch_hooks`: torch's own DDP communication hooks (``comm.torch_hook``).
+- :mod:`~hybrid.app.replicas.torch_hooks`: torch's own DDP communication hooks (``comm.torch_hook``);
+- :mod:`~hybrid.app.replicas.diloco`: each node a DiLoCo worker (``comm=diloco``): DDP over the node's own group
+  every step, the nodes' outer sync every ``comm.sync_every`` steps (:class:`hybrid.core.diloco.OuterSync`).
 """
