@@ -194,12 +194,12 @@ def run_report(sweep):
 def test_every_shape_gets_a_headline_with_its_ratio_and_the_nic_bytes_behind_it(four_jobs):
     report = run_report(four_jobs)
     heads = [line for line in report.splitlines() if line.startswith("- **")]
-    assert heads[0].startswith("- **2x2, mlp w1024 d6 (25.0 MiB), testbed links 500 Mbit/s:** hierarchical is "
+    assert heads[0].startswith("- **2x2, mlp w1024 d6 (25 MiB), testbed links 500 Mbit/s:** hierarchical is "
                                "fastest, 1.47x faster per step than flat (runner-up; 477 ms against 700 ms).")
-    assert heads[1].startswith("- **2x4, mlp w1024 d6 (25.0 MiB), testbed links 500 Mbit/s:** hierarchical is "
+    assert heads[1].startswith("- **2x4, mlp w1024 d6 (25 MiB), testbed links 500 Mbit/s:** hierarchical is "
                                "fastest, 1.32x faster per step than flat (runner-up; 634 ms against 838 ms).")
     # the reason, measured at the NIC: bytes per step and the wire time they need at 500 Mbit/s
-    assert ("The busiest node's NIC sends 46 MB per step under flat, 27 MB under hierarchical (at least 734 ms and "
+    assert ("The busiest node's NIC sends 43.8 MiB per step under flat, 25.7 MiB under hierarchical (at least 734 ms and "
             "432 ms on the wire at 500 Mbit/s).") in heads[1]
     assert len(heads) == 2 and report.index("## Headlines") < report.index("## mlp w1024 d6")
     # Both hierarchical jobs cross the network between 2 nodes: every inter call is one size, so no model, and
@@ -318,7 +318,7 @@ def test_a_loopback_sweep_says_so_on_the_figure_and_in_the_headline(tmp_path):
     make_job(tmp_path, 0, 2, 2, "flat", {"flat_allreduce": 0.05}, step_s=0.1)
     make_job(tmp_path, 1, 2, 2, "hierarchical", {"inter_allreduce": 0.06}, step_s=0.12)
     report = run_report(tmp_path)
-    assert "- **2x2, mlp w1024 d6 (25.0 MiB), no network limit (loopback):** flat is fastest, 1.20x faster per step " \
+    assert "- **2x2, mlp w1024 d6 (25 MiB), no network limit (loopback):** flat is fastest, 1.20x faster per step " \
            "than hierarchical (runner-up; 100 ms against 120 ms). Communication per step (rank 0's time in phase " \
            "calls): hierarchical 60 ms, flat 50 ms." in report
     assert report_figure(load_jobs(tmp_path)).get_suptitle().startswith("no network limit (loopback)")

@@ -43,7 +43,7 @@ def test_default_job_finishes_and_says_where_results_are(default_run):
     assert re.search(r"step 50/50\s+loss [\d.]+\s+lr [\d.e-]+\s+\d+ samples/s", out.stdout)
     # The first line says what runs and where its logs go.
     first = out.stdout.splitlines()[0]
-    assert re.fullmatch(r"hybrid: 2 nodes x 2 workers, comm=hierarchical, model mlp \(w256 d4\), \d+\.\d MB of "
+    assert re.fullmatch(r"hybrid: 2 nodes x 2 workers, comm=hierarchical, model mlp \(w256 d4\), [\d.]+ [KMG]iB of "
                         r"gradients; logs and TensorBoard in outputs/runs/\S+_hierarchical_2x2", first), first
     # The simulated nodes share this machine's CPUs and have no limits of their own: contention, not a straggler.
     assert "is the slowest" not in out.stdout

@@ -42,8 +42,8 @@ from typing import Any
 
 from hybrid.app.observability.metrics import write_json_atomic
 from hybrid.core.topology import Layout
+from hybrid.core.units import human_size, parse_size
 from hybrid.runtime.testbed import MAX_NICS, nic_tx_bytes, per_node_rates
-from hybrid.tools.units import human_size, parse_size
 
 __all__ = ["BenchOptions", "main", "run_bench"]
 

@@ -44,6 +44,7 @@ from typing import Any
 
 from hybrid.app.observability.metrics import write_json_atomic
 from hybrid.core.topology import Layout
+from hybrid.core.units import human_bytes
 
 __all__ = ["TrainBenchOptions", "bench_settings", "compose_settings", "main", "run_train_bench", "summarise"]
 
@@ -205,7 +206,7 @@ def summarise(opts: TrainBenchOptions, runs: dict[str, list[dict[str, Any]]]) ->
 def format_table(report: dict[str, Any]) -> str:
     o = report["options"]
     head = (f"trainer benchmark: {o['steps']} steps x {o['rounds']} rounds per configuration, "
-            f"{report['param_bytes'] / 2**20:.1f} MiB of gradients"
+            f"{human_bytes(report['param_bytes'])} of gradients"
             + (f", testbed NICs shaped to {o['testbed_mbit']:g} Mbit/s (not for comms{LOOPBACK})"
                if o["testbed_mbit"] else ", loopback")
             + (f"; overrides: {' '.join(o['overrides'])}" if o["overrides"] else ""))

@@ -14,7 +14,7 @@ from typing import Any
 from hybrid.core import costmodel
 from hybrid.core.costmodel import MODELLED_ALGORITHMS, Level, Model, bench_chunk_bytes, calibrate, predict, predict_all
 from hybrid.core.topology import Layout
-from hybrid.tools.units import human_size, parse_size
+from hybrid.core.units import human_size, parse_size
 
 __all__ = ["check", "main", "predictions", "as_benched"]
 

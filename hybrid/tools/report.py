@@ -42,6 +42,7 @@ from omegaconf import OmegaConf
 from hybrid.app.targets import label_of
 from hybrid.core.costmodel import Model, calibrate
 from hybrid.core.topology import Layout
+from hybrid.core.units import human_rate
 from hybrid.runtime.slurm_records import OUTCOME_FILE
 from hybrid.runtime.testbed import per_node_rates
 from hybrid.tools.report_breakdown import breakdown_figure, breakdown_table
@@ -52,7 +53,6 @@ from hybrid.tools.report_job import LOOPBACK, Job, is_reference
 from hybrid.tools.report_loss import loss_figure
 from hybrid.tools.report_plot import report_figure
 from hybrid.tools.report_tables import auto_table, model_tables, peers_table
-from hybrid.tools.units import human_rate
 
 __all__ = ["Job", "calibrate_from_jobs", "comm_label", "headlines", "is_reference", "load_jobs", "main",
            "peers_table", "report_figure", "write_report"]

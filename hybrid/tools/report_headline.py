@@ -10,11 +10,11 @@ import math
 
 from hybrid.core.costmodel import Model
 from hybrid.core.topology import Layout
+from hybrid.core.units import human_bytes, human_rate
 from hybrid.tools.report_breakdown import exposed_s
 from hybrid.tools.report_crossing import flip_sentence
 from hybrid.tools.report_format import ms
 from hybrid.tools.report_job import Job, is_reference
-from hybrid.tools.units import human_rate
 
 __all__ = ["headlines", "reason_sentence"]
 
@@ -29,8 +29,8 @@ def reason_sentence(win: Job, other: Job) -> str:
         at = human_rate(rates.pop()) if len(rates) == 1 else "the nodes' link rates"
         wire = (f" (at least {ms(wires[0])} and {ms(wires[1])} on the wire at {at})"
                 if all(w is not None for w in wires) else "")
-        return (f"The busiest node's NIC sends {nic[0] / 1e6:.0f} MB per step under {other.comm}, "
-                f"{nic[1] / 1e6:.0f} MB under {win.comm}{wire}.")
+        return (f"The busiest node's NIC sends {human_bytes(nic[0])} per step under {other.comm}, "
+                f"{human_bytes(nic[1])} under {win.comm}{wire}.")
     if not is_reference(win.comm) and not is_reference(other.comm):
         return (f"Communication per step (rank 0's time in phase calls): {other.comm} "
                 f"{ms(other.comm_per_step_s)}, {win.comm} {ms(win.comm_per_step_s)}.")
@@ -52,8 +52,8 @@ def headlines(jobs: list[Job], model: Model | None) -> list[str]:
     for (model_name, layout, network), group in sorted(groups.items(), key=lambda kv: (
             kv[0][0], kv[0][1].world_size, kv[0][1].nnodes, kv[0][2])):
         ranked = sorted(group, key=lambda j: j.step_s)
-        size = max(j.metrics["param_bytes"] for j in group) / 2**20
-        label = f"**{layout}, {model_name} ({size:.1f} MiB), {network}:**"
+        size = human_bytes(max(j.metrics["param_bytes"] for j in group))
+        label = f"**{layout}, {model_name} ({size}), {network}:**"
         if len(ranked) == 1:
             lines.append(f"- {label} only {ranked[0].comm} finished on this shape: nothing to compare.")
             continue

@@ -11,6 +11,7 @@ import math
 import statistics
 
 from hybrid.app.observability.run_metrics import TAIL_STEPS
+from hybrid.core.units import human_bytes
 from hybrid.tools.report_format import fmt
 from hybrid.tools.report_job import PHASE_COLUMNS, Job, is_reference
 
@@ -27,7 +28,7 @@ def model_tables(jobs: list[Job]) -> list[str]:
     for model_name in sorted({j.model for j in jobs}):
         group = [j for j in jobs if j.model == model_name]
         sizes = {j.metrics["param_bytes"] for j in group if j.ok}
-        size = f", {max(sizes) / 2**20:.1f} MiB of gradients" if sizes else ""
+        size = f", {human_bytes(max(sizes))} of gradients" if sizes else ""
         lines += [f"## {model_name}{size}", "",
                   "| shape | comm | step ms | " + " | ".join(f"{p} ms (time in call)" for p in PHASE_COLUMNS)
                   + " | comm ms/step (time in calls) | samples/s | comm speed-up vs flat | step speed-up vs flat "

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
+from hybrid.core.units import human_bytes
+
 __all__ = ["LOG_NAME", "RunLog", "describe_run", "say", "shown_path"]
 
 LOG_NAME = "train.log"
@@ -58,15 +60,11 @@ def shown_path(path: Path) -> str:
         return str(path)
 
 
-def _size(num_bytes: int) -> str:
-    return f"{num_bytes / 1e6:.1f} MB" if num_bytes >= 1e5 else f"{num_bytes / 1e3:.1f} kB"
-
-
 def describe_run(node_sizes: Sequence[int], comm: str, model: str, model_args: dict[str, Any],
                  gradient_bytes: int, run_dir: Path, thread_mode: bool = False) -> str:
     """The run's first line: layout, comm, model (with the ``width`` and ``depth`` of its ``model_args`` where it
     has them), gradient bytes and where its logs go, e.g. ``hybrid: 2 nodes x 2 workers, comm=hierarchical,
-    model mlp (w256 d4), 0.9 MB of gradients; logs and TensorBoard in outputs/runs/...``."""
+    model mlp (w256 d4), 846 KiB of gradients; logs and TensorBoard in outputs/runs/...``."""
     nnodes = len(node_sizes)
     nodes = f"{nnodes} node{'s' if nnodes != 1 else ''}"
     if len(set(node_sizes)) == 1:
@@ -78,4 +76,4 @@ def describe_run(node_sizes: Sequence[int], comm: str, model: str, model_args: d
     shape = " ".join(f"{k[0]}{model_args[k]}" for k in ("width", "depth")
                      if isinstance(model_args.get(k), int) and not isinstance(model_args.get(k), bool))
     return (f"hybrid: {layout}, comm={comm}, model {model}{f' ({shape})' if shape else ''}, "
-            f"{_size(gradient_bytes)} of gradients; logs and TensorBoard in {shown_path(run_dir)}")
+            f"{human_bytes(gradient_bytes)} of gradients; logs and TensorBoard in {shown_path(run_dir)}")

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.core.topology import Topology
+from hybrid.core.units import human_bytes
 
 __all__ = ["DEFAULT_PROBE_BYTES", "LinkReport", "SLOW_LINK_MARGIN", "probe_links", "round_robin"]
 
@@ -76,7 +77,7 @@ class LinkReport:
 
     def table(self) -> list[str]:
         """One line per node: its links' rates (the slower direction) and its best one."""
-        lines = [f"link probe ({self.nbytes / 2**20:g} MiB each way, Gbit/s; a link is its slower direction):"]
+        lines = [f"link probe ({human_bytes(self.nbytes)} each way, Gbit/s; a link is its slower direction):"]
         for n in range(self.nnodes):
             links = "  ".join(f"->{o}: {self.link(n, o):7.3f}" for o in range(self.nnodes) if o != n)
             lines.append(f"  node {n}: {links}   best {self.best(n):.3f}")
