@@ -18,9 +18,12 @@ For any DDP program, whoever launched it: ``hybrid.attach(ddp_model, algorithm="
 ``hybrid.connect("sharded").shard_optimizer(ddp_model, optimizer)`` shards the optimizer inside each node).
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["NodeShardedOptimizer", "attach", "connect"]
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports these on first use
+    from hybrid.core.attach import Attached, CommOptions, NodeShardedOptimizer, attach, connect
+
+__all__ = ["Attached", "CommOptions", "NodeShardedOptimizer", "attach", "connect"]
 
 
 def __getattr__(name: str) -> Any:
@@ -28,5 +31,11 @@ def __getattr__(name: str) -> Any:
     if name in __all__:
         from hybrid.core import attach as _attach
 
-        return getattr(_attach, name)
+        value = getattr(_attach, name)
+        globals()[name] = value  # found directly from now on
+        return value
     raise AttributeError(f"module 'hybrid' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -18,10 +18,12 @@ alike, before any gradient moves.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,9 @@ from hybrid.core.topology import Topology
 __all__ = ["Attached", "CommOptions", "attach", "connect"]
 
 log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -145,18 +150,55 @@ def _has_builtin_hook(model: DistributedDataParallel) -> bool:
         return False
 
 
-def connect(algorithm: str = "hierarchical", *, node_rank: int | None = None, counters: PhaseCounters | None = None,
-            **options: Any) -> Attached:
-    """Build a communicator over the default process group's ranks, with no model yet (see :func:`attach`).
+def refuses_unknown_options(name: str | None = None) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorate a function whose keyword-only parameters are comm options: a keyword it does not take is refused
+    in one line that lists those it does (``unknown comm option(s) bucket_mb: hybrid.attach takes ...``), not
+    with Python's bare ``unexpected keyword argument``. The signature stays the function's, for type checkers
+    and :func:`inspect.signature`. ``name``: what takes them (None: a constructor's class, its first argument's)."""
 
-    Collective: every rank calls it at the same point. ``node_rank`` names this rank's node where the
-    program knows it better than the environment (Lightning's ``trainer.node_rank``).
+    def decorate(func: Callable[P, R]) -> Callable[P, R]:
+        parameters = inspect.signature(func).parameters
+        keywords = [p.name for p in parameters.values() if p.kind is p.KEYWORD_ONLY]
+
+        @functools.wraps(func)
+        def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+            unknown = sorted(set(kwargs) - set(parameters))
+            if unknown:
+                taker = name or type(args[0]).__name__
+                raise TypeError(f"unknown comm option(s) {', '.join(unknown)}: {taker} takes {', '.join(keywords)}")
+            return func(*args, **kwargs)
+
+        return checked
+
+    return decorate
+
+
+@refuses_unknown_options("hybrid.attach")
+def connect(algorithm: str = "hierarchical", *, intra_backend: str = "auto", inter_backend: str = "auto",
+            timeout_s: float = 300.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES, inter_compression: str = "none",
+            node_rank: int | None = None, counters: PhaseCounters | None = None) -> Attached:
+    """Build a communicator over the default process group's ranks, with no model yet.
+
+    Use it where the model does not exist yet or is not a DDP model of yours alone (a callback, the optimizer
+    sharded inside the node: ``hybrid.connect("sharded").shard_optimizer(ddp, optimizer)``); then
+    :meth:`Attached.attach` each DDP model. Collective: every rank calls it at the same point, with the
+    same options.
+
+    Args:
+        algorithm: ``hierarchical``, ``sharded``, ``flat`` or ``auto`` (see :func:`attach`).
+        intra_backend: the backend inside a node: ``auto`` (NCCL on CUDA, else gloo), ``gloo`` or ``nccl``.
+        inter_backend: the backend between nodes, as ``intra_backend``.
+        timeout_s: every collective's limit, seconds (> 0).
+        chunk_bytes: the two-level algorithms' pipeline pieces, bytes (default 4 MiB).
+        inter_compression: ``none``, ``bf16`` or ``fp16``: the inter-node hop only (two-level algorithms).
+        node_rank: this rank's node, where the program knows it better than the environment (Lightning's
+            ``trainer.node_rank``); default: found from the launcher's variables.
+        counters: where the seconds, bytes and calls per phase go (default: new ones).
+
+    Returns:
+        The :class:`Attached` communicator; close it (or use it as a context manager) when training ends.
     """
-    unknown = sorted(set(options) - set(CommOptions.__dataclass_fields__))
-    if unknown:
-        allowed = ", ".join(f for f in CommOptions.__dataclass_fields__ if f != "algorithm")
-        raise TypeError(f"unknown comm option(s) {', '.join(unknown)}: hybrid.attach takes {allowed}, node_rank, counters")
-    opts = CommOptions(algorithm, **options)
+    opts = CommOptions(algorithm, intra_backend, inter_backend, timeout_s, chunk_bytes, inter_compression)
     if not dist.is_initialized():
         raise RuntimeError("hybrid.attach needs the default process group: call torch.distributed.init_process_group "
                            "first (torchrun scripts do; Lightning, the Trainer and accelerate do it for you)")
@@ -172,15 +214,30 @@ def connect(algorithm: str = "hierarchical", *, node_rank: int | None = None, co
     return Attached(communicator, source)
 
 
+@refuses_unknown_options("hybrid.attach")
 def attach(models: DistributedDataParallel | Iterable[DistributedDataParallel], algorithm: str = "hierarchical", *,
-           node_rank: int | None = None, counters: PhaseCounters | None = None, **options: Any) -> Attached:
-    """Average the gradients of ``models`` (one DDP model, or several that share one communicator) with
-    hybrid's ``algorithm``: ``hierarchical`` (reduce to each node's leader, all-reduce among leaders,
-    broadcast), ``sharded`` (reduce-scatter, shards across nodes, all-gather), ``flat`` or ``auto``.
+           intra_backend: str = "auto", inter_backend: str = "auto", timeout_s: float = 300.0,
+           chunk_bytes: int = DEFAULT_CHUNK_BYTES, inter_compression: str = "none", node_rank: int | None = None,
+           counters: PhaseCounters | None = None) -> Attached:
+    """Average the gradients of ``models`` with hybrid's ``algorithm``: the one call a DDP program adds after
+    wrapping its model(s), whoever launched it. Collective: every rank calls it with the same options.
 
-    Options: ``intra_backend``/``inter_backend`` (auto, gloo, nccl), ``timeout_s`` (every collective's
-    limit), ``chunk_bytes`` (pipeline pieces), ``inter_compression`` (none, bf16, fp16: the slow hop
-    only). Collective: every rank calls it with the same options after wrapping its model(s).
+    Args:
+        models: one torch ``DistributedDataParallel`` model over the default process group, or several that
+            share one communicator (a GAN's two halves).
+        algorithm: ``hierarchical`` (reduce to each node's leader, all-reduce among leaders, broadcast),
+            ``sharded`` (reduce-scatter, shards across nodes, all-gather), ``flat`` (one ring) or ``auto``
+            (per bucket size, from a calibrated cost model).
+        intra_backend: the backend inside a node: ``auto`` (NCCL on CUDA, else gloo), ``gloo`` or ``nccl``.
+        inter_backend: the backend between nodes, as ``intra_backend``.
+        timeout_s: every collective's limit, seconds (> 0).
+        chunk_bytes: the two-level algorithms' pipeline pieces, bytes (default 4 MiB).
+        inter_compression: ``none``, ``bf16`` or ``fp16``: the inter-node hop only (two-level algorithms).
+        node_rank: this rank's node, where the program knows it better than the environment.
+        counters: where the seconds, bytes and calls per phase go (default: new ones).
+
+    Returns:
+        The :class:`Attached` communicator with its hooks; ``with hybrid.attach(...) as comm:`` closes it.
     """
     candidates = [models] if isinstance(models, torch.nn.Module) else list(models)
     for model in candidates:
@@ -192,7 +249,9 @@ def attach(models: DistributedDataParallel | Iterable[DistributedDataParallel], 
             if ranks != list(range(dist.get_world_size())):
                 raise ValueError(f"the DDP model averages over the process group of ranks {ranks}, not the default "
                                  f"world of {dist.get_world_size()}: hybrid.attach serves DDP over the default group")
-    handle = connect(algorithm, node_rank=node_rank, counters=counters, **options)
+    handle = connect(algorithm, intra_backend=intra_backend, inter_backend=inter_backend, timeout_s=timeout_s,
+                     chunk_bytes=chunk_bytes, inter_compression=inter_compression, node_rank=node_rank,
+                     counters=counters)
     try:
         for model in candidates:
             handle.attach(model)
