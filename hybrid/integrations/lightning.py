@@ -13,7 +13,6 @@ optimizer steps under DDP's ``no_sync``, so gradients travel on optimizer steps 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 try:
     import pytorch_lightning as pl
@@ -22,31 +21,28 @@ except ImportError:  # the unified package: pip install lightning
 
 import torch.distributed as dist
 
-from hybrid.core.attach import Attached, connect
-from hybrid.core.comm import PhaseCounters
+from hybrid.integrations.base import CommCallback
 
 __all__ = ["HybridCommHook"]
 
 log = logging.getLogger(__name__)
 
 
-class HybridCommHook(pl.Callback):
+class HybridCommHook(CommCallback, pl.Callback):
     """Average the DDP gradients of ``trainer.fit`` with hybrid's ``algorithm`` (hierarchical, sharded, flat, auto).
 
-    ``comm_options`` are :func:`hybrid.attach`'s: ``intra_backend``, ``inter_backend``, ``timeout_s``,
-    ``chunk_bytes``, ``inter_compression``. The nodes are Lightning's own (``trainer.node_rank``). During
-    and after ``fit``, :attr:`attached` is the communicator and its hooks (closed once ``fit`` ends) and
-    :attr:`counters` what travelled (seconds, bytes, calls per phase).
+    The nodes are Lightning's own (``trainer.node_rank``). During and after ``fit``, :attr:`attached` is the
+    communicator and its hooks (closed once ``fit`` ends) and :attr:`counters` what travelled (seconds,
+    bytes, calls per phase).
+
+    Args:
+        algorithm: ``hierarchical``, ``sharded``, ``flat`` or ``auto`` (:func:`hybrid.attach`'s).
+        intra_backend: the backend inside a node: ``auto`` (NCCL on CUDA, else gloo), ``gloo`` or ``nccl``.
+        inter_backend: the backend between nodes, as ``intra_backend``.
+        timeout_s: every collective's limit, seconds (> 0).
+        chunk_bytes: the two-level algorithms' pipeline pieces, bytes (default 4 MiB).
+        inter_compression: ``none``, ``bf16`` or ``fp16``: the inter-node hop only (two-level algorithms).
     """
-
-    def __init__(self, algorithm: str = "hierarchical", **comm_options: Any) -> None:
-        self.algorithm = algorithm
-        self.comm_options = comm_options
-        self.attached: Attached | None = None
-
-    @property
-    def counters(self) -> PhaseCounters | None:
-        return None if self.attached is None else self.attached.counters
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
@@ -60,8 +56,7 @@ class HybridCommHook(pl.Callback):
         if getattr(strategy, "_ddp_comm_hook", None) is not None:
             raise ValueError(f"HybridCommHook and the strategy's ddp_comm_hook={strategy._ddp_comm_hook.__name__} both "
                              "want DDP's one comm hook: give DDPStrategy no ddp_comm_hook, or drop HybridCommHook")
-        self._close()  # a second fit() with the same callback
-        self.attached = connect(self.algorithm, node_rank=trainer.node_rank, **self.comm_options)
+        self._connect(node_rank=trainer.node_rank)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.attached is not None:
@@ -72,7 +67,3 @@ class HybridCommHook(pl.Callback):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._close(timeout_s=1.0)
-
-    def _close(self, timeout_s: float = 10.0) -> None:
-        if self.attached is not None:
-            self.attached.close(timeout_s)

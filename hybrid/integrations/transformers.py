@@ -15,42 +15,51 @@ from typing import Any
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
-from hybrid.core.attach import Attached, connect
-from hybrid.core.comm import PhaseCounters
+from hybrid.core.attach import refuses_unknown_options
+from hybrid.core.comm.base import DEFAULT_CHUNK_BYTES
+from hybrid.integrations.base import CommCallback
 
 __all__ = ["HybridCommCallback"]
 
 log = logging.getLogger(__name__)
 
 
-class HybridCommCallback(TrainerCallback):
+class HybridCommCallback(CommCallback, TrainerCallback):
     """Average the Trainer's DDP gradients with hybrid's ``algorithm`` (hierarchical, sharded, flat, auto).
 
-    ``comm_options`` are :func:`hybrid.attach`'s. Pass ``trainer`` where the callback is added after the
-    Trainer is built (``trainer.add_callback(HybridCommCallback(trainer=trainer))``); otherwise it attaches
-    to the Trainer whose ``train()`` calls it. During and after training, :attr:`attached` is the
-    communicator and its hook (closed once training ends) and :attr:`counters` what travelled.
+    It attaches to the Trainer whose ``train()`` calls it, or to ``trainer`` where given. During and after
+    training, :attr:`attached` is the communicator and its hook (closed once training ends) and
+    :attr:`counters` what travelled.
     """
 
-    def __init__(self, algorithm: str = "hierarchical", trainer: Trainer | None = None, **comm_options: Any) -> None:
-        self.algorithm = algorithm
-        self.comm_options = comm_options
-        self.trainer = trainer
-        self.attached: Attached | None = None
+    @refuses_unknown_options()
+    def __init__(self, algorithm: str = "hierarchical", trainer: Trainer | None = None, *,
+                 intra_backend: str = "auto", inter_backend: str = "auto", timeout_s: float = 300.0,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, inter_compression: str = "none") -> None:
+        """Keep the options; the communicator is built when training begins.
 
-    @property
-    def counters(self) -> PhaseCounters | None:
-        return None if self.attached is None else self.attached.counters
+        Args:
+            algorithm: ``hierarchical``, ``sharded``, ``flat`` or ``auto`` (:func:`hybrid.attach`'s).
+            trainer: the Trainer to attach to, where the callback is added after the Trainer is built
+                (``trainer.add_callback(HybridCommCallback(trainer=trainer))``); default: the one calling it.
+            intra_backend: the backend inside a node: ``auto`` (NCCL on CUDA, else gloo), ``gloo`` or ``nccl``.
+            inter_backend: the backend between nodes, as ``intra_backend``.
+            timeout_s: every collective's limit, seconds (> 0).
+            chunk_bytes: the two-level algorithms' pipeline pieces, bytes (default 4 MiB).
+            inter_compression: ``none``, ``bf16`` or ``fp16``: the inter-node hop only (two-level algorithms).
+        """
+        super().__init__(algorithm, intra_backend=intra_backend, inter_backend=inter_backend, timeout_s=timeout_s,
+                         chunk_bytes=chunk_bytes, inter_compression=inter_compression)
+        self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             log.warning("HybridCommCallback: one process, no gradients to average; training without it")
             return
         trainer = self.trainer or self._calling_trainer()
-        self._close()  # a second train() with the same callback
-        self.attached = connect(self.algorithm, **self.comm_options)
+        attached = self._connect()  # a second train() with the same callback closes the first one's
         try:
-            self.attached.attach(trainer.model_wrapped)
+            attached.attach(trainer.model_wrapped)
         except BaseException:
             self._close()
             raise
@@ -68,7 +77,3 @@ class HybridCommCallback(TrainerCallback):
             frame = frame.f_back
         raise RuntimeError("HybridCommCallback found no Trainer calling it: add it with "
                            "trainer.add_callback(HybridCommCallback(trainer=trainer))")
-
-    def _close(self) -> None:
-        if self.attached is not None:
-            self.attached.close()
