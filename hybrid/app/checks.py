@@ -41,6 +41,7 @@ from hybrid.app.replicas.rank import PlainState
 from hybrid.app.setup import build_loss, build_model, check_state_kind, load_dataset, sample_batch
 from hybrid.app.state.checkpoint import CHECKPOINT_NAME, checkpoint_steps, latest_manifest
 from hybrid.app.targets import ComponentError, first_line
+from hybrid.core.units import human_bytes
 from hybrid.runtime.cpu_limit import CpuLimitError, cgroup_root
 from hybrid.runtime.slurm import in_submitit_task
 from hybrid.runtime.testbed import testbed_available
@@ -184,7 +185,7 @@ def check_powersgd_buckets(cfg: TrainConfig, gradient_bytes: int) -> None:
         return
     one_bucket = int(cfg.comm.bucket_mb * 2**20)
     if gradient_bytes > one_bucket:
-        raise ValueError(f"comm.torch_hook=powersgd on gloo: this model's {gradient_bytes / 2**20:.2f} MiB of "
+        raise ValueError(f"comm.torch_hook=powersgd on gloo: this model's {human_bytes(gradient_bytes)} of "
                          f"gradients make more than one DDP bucket (comm.bucket_mb={cfg.comm.bucket_mb:g}), and "
                          "torch's PowerSGD hook then aborts on gloo (its second all-reduce is issued from gloo's "
                          "callbacks, in a different order per rank): use NCCL on CUDA, or comm.torch_hook=fp16")

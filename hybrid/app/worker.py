@@ -19,6 +19,8 @@ import inspect
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -79,18 +81,12 @@ def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
     if cfg.cluster.recovery == IN_PLACE:
         return run_in_place(cfg, run_dir)
     env = init_distributed(cfg.comm.timeout_s)
-    failed = False
-    try:
-        return _run_session(cfg, env, run_dir)
-    except Exception as exc:
-        failed = True
-        _say_failed(env.rank, exc)
-        raise
-    finally:
-        if not failed:
-            # On failure the sockets close when this process exits, after torchelastic has recorded its
-            # error, so peers that then fail on the closed connection come second.
-            shutdown_distributed()
+    with _released_once_finished(shutdown_distributed):
+        try:
+            return _run_session(cfg, env, run_dir)
+        except Exception as exc:
+            _say_failed(env.rank, exc)
+            raise
 
 
 def run_in_place(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
@@ -120,6 +116,15 @@ def run_in_place(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None
             return result
     finally:
         session.close()
+
+
+@contextmanager
+def _released_once_finished(release: Callable[[], None]) -> Iterator[None]:
+    """Call ``release`` (destroy the groups) once the block has finished; on an exception, do not: the sockets
+    then close when this process exits, after its error is recorded (torchelastic's error file, and
+    :func:`_say_failed`), so peers that fail on the closed connections come second."""
+    yield  # an exception raised in the block is raised here, and release is skipped
+    release()
 
 
 def _say_failed(rank: int, exc: BaseException) -> None:
@@ -183,40 +188,36 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
               find_unused_parameters=cfg.comm.find_unused_parameters, **buffer_sync(run.model))
     counters = PhaseCounters(StepRecorder(PHASES))  # the phases also feed the per-rank accounts and the timeline
     hook = groups = comm = replicas = None
-    finished = False
-    try:
-        if cfg.comm.algorithm != "ddp":
-            groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend, cfg.comm.timeout_s,
-                                      kinds=group_kinds_for(cfg.comm.algorithm, topology))
-            comm = make_communicator(cfg.comm.algorithm, groups, counters, cfg.comm.chunk_bytes,
-                                     cfg.comm.inter_compression, device=device)
-            if isinstance(comm, AutoCommunicator):
-                metrics.status(describe_auto_calibration(comm))
-            # comm.shard_optimizer: the optimizer's hook averages only this worker's shard of each bucket.
-            hook = run.optimizer.attach(ddp, comm) if cfg.comm.shard_optimizer else register_comm_hook(ddp, comm)
-        feedback = error_feedback.ErrorFeedback.attach(run.residual_signature, comm, run.residuals, device)
-        # The first real step already sees DDP's rebuilt buckets, as every later one does: a resumed run
-        # then sums each element in the order the uninterrupted run did, and residuals keyed by bucket apply.
-        x, y = sample_batch(run.dataset, cfg.data.batch_size, device)
-        settle_buckets(ddp, hook, lambda: batch_loss(ddp, x, y, run.loss_fn).backward())
-        if comm is None:
-            # comm.torch_hook (none: DDP's own all-reduce), after the settling backward, which would otherwise
-            # count as one of PowerSGD's warm-up iterations.
-            register_torch_hook(ddp, cfg.comm)
-        replicas = RankReplica(ddp, run.streams[0], device, run.loss_fn, cfg.trainer.precision, counters.recorder)
-        result = train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, feedback,
-                                  comm)
-        finished = True
-        return result
-    finally:
-        if replicas is not None:
-            replicas.close()
-        if hook is not None:
-            hook.close()
-        if groups is not None and finished:
-            # On failure the groups' sockets close when this process exits, after its error is recorded
-            # (see run_worker): peers that fail on them then come second.
-            groups.destroy()
+    with _released_once_finished(lambda: groups.destroy() if groups is not None else None):
+        try:
+            if cfg.comm.algorithm != "ddp":
+                groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend,
+                                          cfg.comm.timeout_s, kinds=group_kinds_for(cfg.comm.algorithm, topology))
+                comm = make_communicator(cfg.comm.algorithm, groups, counters, cfg.comm.chunk_bytes,
+                                         cfg.comm.inter_compression, device=device)
+                if isinstance(comm, AutoCommunicator):
+                    metrics.status(describe_auto_calibration(comm))
+                # comm.shard_optimizer: the optimizer's hook averages only this worker's shard of each bucket.
+                hook = (run.optimizer.attach(ddp, comm) if cfg.comm.shard_optimizer
+                        else register_comm_hook(ddp, comm))
+            feedback = error_feedback.ErrorFeedback.attach(run.residual_signature, comm, run.residuals, device)
+            # The first real step already sees DDP's rebuilt buckets, as every later one does: a resumed run
+            # then sums each element in the order the uninterrupted run did, and residuals keyed by bucket apply.
+            x, y = sample_batch(run.dataset, cfg.data.batch_size, device)
+            settle_buckets(ddp, hook, lambda: batch_loss(ddp, x, y, run.loss_fn).backward())
+            if comm is None:
+                # comm.torch_hook (none: DDP's own all-reduce), after the settling backward, which would otherwise
+                # count as one of PowerSGD's warm-up iterations.
+                register_torch_hook(ddp, cfg.comm)
+            replicas = RankReplica(ddp, run.streams[0], device, run.loss_fn, cfg.trainer.precision,
+                                   counters.recorder)
+            return train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device,
+                                    feedback, comm)
+        finally:
+            if replicas is not None:
+                replicas.close()
+            if hook is not None:
+                hook.close()
 
 
 def train_diloco(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path, metrics: Metrics,
@@ -239,20 +240,17 @@ def train_diloco(cfg: TrainConfig, topology: Topology, device: torch.device, run
               bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
               find_unused_parameters=cfg.comm.find_unused_parameters, **buffer_sync(run.model))
     replicas = None
-    finished = False
-    try:
-        x, y = sample_batch(run.dataset, cfg.data.batch_size, device)
-        settle_buckets(ddp, None, lambda: batch_loss(ddp, x, y, run.loss_fn).backward())
-        replicas = diloco.DilocoReplica(ddp, run.streams[0], device, run.loss_fn, outer, topology, run.start_step,
-                                 cfg.trainer.max_steps, metrics.scalars, cfg.trainer.precision, counters.recorder)
-        result = train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, None)
-        finished = True
-        return result
-    finally:
-        if replicas is not None:
-            replicas.close()
-        if finished:
-            groups.destroy()  # on failure they close at exit, after this rank's error is recorded (run_worker)
+    with _released_once_finished(groups.destroy):
+        try:
+            x, y = sample_batch(run.dataset, cfg.data.batch_size, device)
+            settle_buckets(ddp, None, lambda: batch_loss(ddp, x, y, run.loss_fn).backward())
+            replicas = diloco.DilocoReplica(ddp, run.streams[0], device, run.loss_fn, outer, topology, run.start_step,
+                                            cfg.trainer.max_steps, metrics.scalars, cfg.trainer.precision,
+                                            counters.recorder)
+            return train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, None)
+        finally:
+            if replicas is not None:
+                replicas.close()
 
 
 def train_hsdp(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path, metrics: Metrics,
@@ -304,15 +302,9 @@ def train_thread_mode(cfg: TrainConfig, processes: Topology, device: torch.devic
                             timeout_s=cfg.comm.timeout_s,
                             threads_per_replica=max(1, torch.get_num_threads() // per_node),
                             loss_fn=run.loss_fn, precision=cfg.trainer.precision)
-    finished = False
-    try:
-        result = train_and_report(cfg, run, replicas, topology, metrics, replicas.counters, run_path, topology.rank,
-                                  devices[0], feedback)
-        finished = True
-        return result
-    finally:
-        replicas.close()
-        if finished:
-            # On failure the group's sockets close when this process exits, after its error is recorded
-            # (as the process-mode trainer does): peers that fail on them then come second.
-            dist.destroy_process_group(group)
+    with _released_once_finished(lambda: dist.destroy_process_group(group)):
+        try:
+            return train_and_report(cfg, run, replicas, topology, metrics, replicas.counters, run_path,
+                                    topology.rank, devices[0], feedback)
+        finally:
+            replicas.close()

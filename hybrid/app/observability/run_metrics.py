@@ -31,6 +31,7 @@ from hybrid.app.replicas.rank import param_checksum
 from hybrid.core.comm import MODEL_LEVELS, PHASES, AutoCommunicator, Communicator, PhaseCounters
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
+from hybrid.core.units import human_bytes
 from hybrid.runtime.testbed import nic_tx_bytes, testbed_nics
 
 TAIL_STEPS = 20
@@ -71,7 +72,7 @@ def log_auto_decisions(comm: AutoCommunicator, metrics: Metrics, step: int, logg
         logged.add(_bucket_kind(d))
         tag = f"comm_auto/{_bucket_kind(d)}"
         metrics.scalars(step, {f"{tag}/predicted_{alg}_ms": s * 1e3 for alg, s in d["predicted_s"].items()})
-        metrics.status(f"comm=auto: {d['bytes'] / 2**20:.2f} MiB {d['dtype']} buckets -> {d['chosen']} (predicted "
+        metrics.status(f"comm=auto: {human_bytes(d['bytes'])} {d['dtype']} buckets -> {d['chosen']} (predicted "
                        + ", ".join(f"{a} {s * 1e3:.1f} ms" for a, s in d["predicted_s"].items()) + ")")
     rows = [f"| {d['bytes']} | {d['dtype']} | {d['chosen']} | " + " | ".join(
         f"{d['predicted_s'][a] * 1e3:.2f}" if a in d["predicted_s"] else "-" for a in comm.candidates) + " |"
