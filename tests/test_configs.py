@@ -112,7 +112,7 @@ def test_a_config_naming_the_former_module_paths_still_builds(model, loss, data,
 
 
 def test_a_checkpoint_naming_a_former_model_path_resumes_and_another_model_does_not(tmp_path):
-    from hybrid.app.replicas.rank import PlainState
+    from hybrid.app.replicas.base import PlainState
     from hybrid.app.setup import _check_resumable
     from hybrid.app.targets import Component
 

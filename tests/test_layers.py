@@ -176,7 +176,7 @@ def test_the_checks_can_fail():
     top_level = {n.module for n in ast.parse(MODULES["hybrid.tools.bench_train"].read_text()).body
                  if isinstance(n, ast.ImportFrom)}
     assert "hybrid.app.worker" not in top_level and "hybrid.app.worker" in GRAPH["hybrid.tools.bench_train"]
-    assert app_level_of("hybrid.app.components.models") < app_level_of("hybrid.app.replicas.rank") < app_level_of("hybrid.app.worker")
+    assert app_level_of("hybrid.app.components.models") < app_level_of("hybrid.app.replicas.base") < app_level_of("hybrid.app.worker")
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

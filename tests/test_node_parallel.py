@@ -167,7 +167,7 @@ def test_replica_topology_numbers_replicas_as_process_mode_ranks():
 def test_an_in_process_replica_that_drifts_is_named_by_its_global_rank():
     import torch.distributed as dist
 
-    from hybrid.app.replicas.rank import ReplicaDivergence, check_replicas
+    from hybrid.app.replicas.base import ReplicaDivergence, check_replicas
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -37,7 +37,7 @@ from hybrid.app.config import (
     resume_target,
     validate,
 )
-from hybrid.app.replicas.rank import PlainState
+from hybrid.app.replicas.base import PlainState
 from hybrid.app.setup import build_loss, build_model, check_state_kind, load_dataset, sample_batch
 from hybrid.app.state.checkpoint import CHECKPOINT_NAME, checkpoint_steps, latest_manifest
 from hybrid.app.targets import ComponentError, first_line

@@ -22,8 +22,7 @@ from hybrid.app.targets import Component, component_of, current_target, label_of
 from hybrid.core.comm.compression import INTER_COMPRESSIONS
 from hybrid.core.comm.options import check_comm_options, one_of
 from hybrid.core.comm.registry import CHOOSABLE
-from hybrid.core.diloco import INTER_MODES
-from hybrid.core.pseudo_grad_codec import CODECS
+from hybrid.core.diloco import CODECS, INTER_MODES
 from hybrid.core.topology import Layout
 from hybrid.runtime.testbed import MAX_NICS, per_node_cpus, per_node_rates
 

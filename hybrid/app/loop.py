@@ -1,7 +1,7 @@
 """The training loop: one step function, the loop around it, and the checkpoints it writes.
 
 Process and thread mode share all of it; they differ only in the
-:class:`~hybrid.app.replicas.rank.Replicas` they hand in. Gradients are averaged
+:class:`~hybrid.app.replicas.base.Replicas` they hand in. Gradients are averaged
 (identical on every rank) before the step, so every decision here, such as
 skipping a step with non-finite gradients, is taken alike on every rank
 without talking.
@@ -20,11 +20,11 @@ from hybrid.app.components.data import BatchStream
 from hybrid.app.config import DILOCO, TrainConfig, TrainerConfig
 from hybrid.app.observability.metrics import Metrics
 from hybrid.app.observability.run_metrics import MetricsProcessor
-from hybrid.app.replicas.rank import Replicas, StateAccess, check_replicas, grads_finite
+from hybrid.app.replicas.base import Replicas, StateAccess, check_replicas, grads_finite
 from hybrid.app.setup import Training
 from hybrid.app.state import error_feedback
 from hybrid.app.state.checkpoint import save_checkpoint
-from hybrid.app.state.held import Progress, checkpoint_meta
+from hybrid.app.state.in_memory import Progress, checkpoint_meta
 from hybrid.app.state.membership import RunLayout
 from hybrid.app.state.preemption import Preempted, SignalStop, mark_stopped
 from hybrid.app.targets import Component

@@ -24,11 +24,11 @@ from hybrid.app.components.optim import build_optimizer, build_scheduler
 from hybrid.app.config import COMM_ALGORITHMS, CommConfig, DataConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
 from hybrid.app.observability.metrics import Metrics
 from hybrid.app.observability.run_log import describe_run
+from hybrid.app.replicas.base import SHARDED_STATE_KIND, PlainState, StateAccess
 from hybrid.app.replicas.diloco import CHECKPOINT_KEY as DILOCO_KEY
-from hybrid.app.replicas.rank import SHARDED_STATE_KIND, PlainState, StateAccess
 from hybrid.app.state import error_feedback
 from hybrid.app.state.checkpoint import checkpoint_steps, load_checkpoint
-from hybrid.app.state.held import HeldState, Progress
+from hybrid.app.state.in_memory import HeldState, Progress
 from hybrid.app.state.membership import RunLayout, apply_lr_policy, describe_change, history_after_resume, start_history
 from hybrid.app.targets import Component, ComponentError, current_target, first_line
 from hybrid.runtime.distributed import broadcast_from_rank0
@@ -237,8 +237,8 @@ def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_
     """Build a run's training state for the replicas of global ranks ``stream_ranks`` (one in process mode,
     a node's in thread mode), restoring a checkpoint where the run resumes. Collective over the default
     group (``process_rank`` is this process's rank there). ``state``: how the model is prepared and its
-    state read and loaded (default :class:`~hybrid.app.replicas.rank.PlainState`; comm=hsdp shards). ``held``:
-    the state recovery in place continues from (:mod:`hybrid.app.state.held`)."""
+    state read and loaded (default :class:`~hybrid.app.replicas.base.PlainState`; comm=hsdp shards). ``held``:
+    the state recovery in place continues from (:mod:`hybrid.app.state.in_memory`)."""
     state = state or PlainState()
     dataset = load_dataset(cfg.data)
     model, optimizer, scheduler = build_training(cfg.model, cfg.optim, cfg.trainer, device, state,

@@ -35,8 +35,8 @@ from hybrid.app.loop import train_and_report
 from hybrid.app.observability.metrics import Metrics, NullMetrics, TensorBoardMetrics
 from hybrid.app.observability.run_metrics import describe_auto_calibration
 from hybrid.app.replicas import diloco
+from hybrid.app.replicas.base import RankReplica
 from hybrid.app.replicas.node_threads import NodeProcessCommunicator, NodeReplicas, replica_topology
-from hybrid.app.replicas.rank import RankReplica
 from hybrid.app.replicas.torch_hooks import register_torch_hook
 from hybrid.app.setup import device_for, sample_batch, set_up
 from hybrid.app.state import error_feedback

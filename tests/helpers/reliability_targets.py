@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybrid.app.replicas.rank import ReplicaDivergence, check_replicas
+from hybrid.app.replicas.base import ReplicaDivergence, check_replicas
 from hybrid.runtime.distributed import init_distributed, shutdown_distributed
 
 _LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc/net/tcp* write them

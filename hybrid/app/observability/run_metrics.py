@@ -27,7 +27,7 @@ from hybrid.app.config import TrainConfig
 from hybrid.app.observability.metrics import Metrics, hparam_value, write_json_atomic
 from hybrid.app.observability.step_accounts import StepAccounts
 from hybrid.app.observability.timeline_file import TimelineFile
-from hybrid.app.replicas.rank import param_checksum
+from hybrid.app.replicas.base import param_checksum
 from hybrid.core.comm import MODEL_LEVELS, PHASES, AutoCommunicator, Communicator, PhaseCounters
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology

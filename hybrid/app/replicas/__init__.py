@@ -1,6 +1,6 @@
 """How the replicas of a model are kept in sync during training, one module per way:
 
-- :mod:`~hybrid.app.replicas.rank`: one process per device, a DDP model whose buckets go through the chosen
+- :mod:`~hybrid.app.replicas.base`: one process per device, a DDP model whose buckets go through the chosen
   communicator (and what every kind of replica shares: the protocol the loop drives, state access, checks);
 - :mod:`~hybrid.app.replicas.node_threads`: one process per node driving its devices' replicas in threads
   (``cluster.intra_mode=thread``);

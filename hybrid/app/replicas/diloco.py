@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hybrid.app.components.data import BatchStream
 from hybrid.app.components.losses import LossFn
 from hybrid.app.config import CommConfig, outer_optimizer
-from hybrid.app.replicas.rank import PlainState, RankReplica
+from hybrid.app.replicas.base import PlainState, RankReplica
 from hybrid.app.state.node_states import StreamedNodeStates
 from hybrid.core.comm import CommGroups, PhaseCounters
 from hybrid.core.diloco import OuterSync

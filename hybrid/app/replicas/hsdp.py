@@ -31,7 +31,7 @@ from torch.distributed.fsdp import fully_shard
 
 from hybrid.app.components.data import BatchStream
 from hybrid.app.components.losses import LossFn
-from hybrid.app.replicas.rank import SHARDED_STATE_KIND, accumulate
+from hybrid.app.replicas.base import SHARDED_STATE_KIND, accumulate
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
 
@@ -39,7 +39,7 @@ __all__ = ["MESH_DIMS", "STATE_DICT_KIND", "HsdpReplica", "ShardedState", "full_
            "shard_model", "shard_units"]
 
 MESH_DIMS = ("replicate", "shard")
-STATE_DICT_KIND = SHARDED_STATE_KIND  # recorded in this comm's checkpoints (see hybrid.app.replicas.rank)
+STATE_DICT_KIND = SHARDED_STATE_KIND  # recorded in this comm's checkpoints (see hybrid.app.replicas.base)
 
 
 def hsdp_mesh(topology: Topology, device: torch.device, timeout_s: float) -> DeviceMesh:
@@ -104,7 +104,7 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_st
 
 
 class ShardedState:
-    """:class:`hybrid.app.replicas.rank.StateAccess` for comm=hsdp: shard the model on ``mesh``; read and load
+    """:class:`hybrid.app.replicas.base.StateAccess` for comm=hsdp: shard the model on ``mesh``; read and load
     state through torch's distributed state-dict API (full state dicts, rank 0's on the CPU)."""
 
     kind = STATE_DICT_KIND

@@ -46,7 +46,7 @@ from torch import nn
 
 from hybrid.app.components.data import BatchStream
 from hybrid.app.components.losses import LossFn, batch_loss, move_to
-from hybrid.app.replicas.rank import autocast_for
+from hybrid.app.replicas.base import autocast_for
 from hybrid.core.comm import CommGroups, Communicator, PhaseCounters
 from hybrid.core.comm.counters import rooted_bytes
 from hybrid.core.timeline import StepRecorder

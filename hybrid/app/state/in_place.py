@@ -6,7 +6,7 @@ last checkpoint. In place, the workers of the surviving nodes keep their
 processes:
 
 1. a worker whose collective fails (a peer died, its link went down) takes its
-   state as of the last step it completed (:mod:`hybrid.app.state.held`), and
+   state as of the last step it completed (:mod:`hybrid.app.state.in_memory`), and
    destroys every process group it holds, so the peers still blocked on it fail
    at once instead of at their timeout;
 2. the survivors agree on the new membership through the store that no training
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.app.config import TrainConfig
-from hybrid.app.state.held import HeldState, checkpoint_meta
+from hybrid.app.state.in_memory import HeldState, checkpoint_meta
 from hybrid.core.comm.ordered_stream import OrderedStream, drop_tracebacks
 from hybrid.core.topology import Topology, WorkerEnv
 from hybrid.runtime.agent import attempt_prefix, nodes_at_end_key

@@ -27,7 +27,7 @@ The average travels one of two ways, as hybrid's own algorithms do:
   link), and the node all-gathers the shards (uniform nodes only).
 
 With ``compression`` (``bf16``, ``fp16``, or ``fp8``: e4m3 with a scale per block,
-:mod:`hybrid.core.pseudo_grad_codec`) the nodes' parts are all-gathered encoded instead of all-reduced, and
+:mod:`hybrid.core.diloco.codec`) the nodes' parts are all-gathered encoded instead of all-reduced, and
 every rank sums the decoded parts in fp32.
 
 With ``overlap`` a fragment's exchange runs in the background while every node takes its next inner steps,
@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from hybrid.core.comm.counters import PhaseCounters, allreduce_bytes, rooted_bytes
 from hybrid.core.comm.groups import CommGroups
-from hybrid.core.pseudo_grad_codec import CODECS, EncodedGather, wire_bytes
+from hybrid.core.diloco.codec import CODECS, EncodedGather, wire_bytes
 
 __all__ = ["INTER_MODES", "OuterSync", "PIECE_BYTES", "default_outer_optimizer"]
 
