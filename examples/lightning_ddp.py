@@ -3,7 +3,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from hybrid.integrations.lightning import HybridCommHook
+from hybrid.integrations.lightning import HybridCommCallback
 
 
 class Regressor(pl.LightningModule):
@@ -23,7 +23,7 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     x = torch.randn(512, 32)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=16)
-    hybrid_comm = HybridCommHook("hierarchical")  # or "sharded", "flat", "auto"
+    hybrid_comm = HybridCommCallback("hierarchical")  # or "sharded", "flat", "auto"
     trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy="ddp",  # on GPUs: accelerator="gpu"
                          max_epochs=1, accumulate_grad_batches=2, callbacks=[hybrid_comm],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False)

@@ -84,7 +84,7 @@ def real_parameters(obj: Any) -> list[tuple[str, Any, Any]]:
 def test_every_public_name_is_documented():
     missing = [name for name in hybrid.__all__ if f"hybrid.{name}" not in ENTRIES]
     assert missing == [], f"docs/api.md has no '### `hybrid.NAME`' entry for {missing}"
-    for callback in ("hybrid.integrations.lightning.HybridCommHook",
+    for callback in ("hybrid.integrations.lightning.HybridCommCallback",
                      "hybrid.integrations.transformers.HybridCommCallback"):
         assert ENTRIES.get(callback), f"docs/api.md shows no signature for {callback}"
 
@@ -114,3 +114,10 @@ def test_import_hybrid_loads_no_torch_until_a_name_is_used():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True"]
+
+
+def test_the_lightning_callbacks_earlier_name_still_imports_and_says_it_is_deprecated():
+    callback = resolve("hybrid.integrations.lightning.HybridCommCallback")
+    with pytest.warns(DeprecationWarning, match="HybridCommCallback"):
+        from hybrid.integrations.lightning import HybridCommHook
+    assert HybridCommHook is callback

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
+from hybrid.core.units import parse_size
 from hybrid.runtime.testbed import nic_tx_bytes
-from hybrid.tools.units import parse_size
 
 
 def bench(*args, cwd=None, timeout=240):

@@ -15,7 +15,7 @@ from hybrid.app.observability.run_metrics import TAIL_STEPS
 from hybrid.core.costmodel import Level, Model, predict
 from hybrid.core.topology import Layout
 from hybrid.tools.report import load_jobs, main, report_figure
-from hybrid.tools.report_breakdown import breakdown_figure
+from hybrid.tools.report.breakdown import breakdown_figure
 
 pytestmark = pytest.mark.multiprocess
 
@@ -342,7 +342,7 @@ def test_jobs_that_logged_their_loss_get_curves_by_samples_and_wall_time_and_the
     reader, and the bytes across nodes per step (the comm's counters; torch's own DDP has none, said so)."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from hybrid.tools.report_loss import bytes_per_step, loss_figure, loss_points, smoothed
+    from hybrid.tools.report.loss import bytes_per_step, loss_figure, loss_points, smoothed
 
     make_job(tmp_path, 0, 2, 2, "ddp", steps=40, extra={"samples_per_step": 64})
     make_job(tmp_path, 1, 2, 2, "diloco", steps=40, extra={"samples_per_step": 64, "bytes": {

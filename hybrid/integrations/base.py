@@ -1,4 +1,4 @@
-"""What the two callbacks share (:class:`~hybrid.integrations.lightning.HybridCommHook`,
+"""What the two callbacks share (:class:`~hybrid.integrations.lightning.HybridCommCallback`,
 :class:`~hybrid.integrations.transformers.HybridCommCallback`): the comm options, the communicator while
 training, its counters, and closing it. Imports neither Lightning nor transformers: each callback's module
 mixes this class into its library's callback class.

@@ -1,4 +1,4 @@
-"""``HybridCommHook``: hybrid's two-level gradient reduce in a PyTorch Lightning ``Trainer`` with ``strategy="ddp"``.
+"""``HybridCommCallback``: hybrid's two-level gradient reduce in a PyTorch Lightning ``Trainer`` with ``strategy="ddp"``.
 
 Why a callback and not ``DDPStrategy(ddp_comm_hook=...)``: Lightning registers a strategy's hook only when
 the root device is CUDA (silently nothing on CPU), and takes the hook's state in the constructor, before the
@@ -13,6 +13,7 @@ optimizer steps under DDP's ``no_sync``, so gradients travel on optimizer steps 
 from __future__ import annotations
 
 import logging
+import warnings
 
 try:
     import pytorch_lightning as pl
@@ -23,12 +24,12 @@ import torch.distributed as dist
 
 from hybrid.integrations.base import CommCallback
 
-__all__ = ["HybridCommHook"]
+__all__ = ["HybridCommCallback"]
 
 log = logging.getLogger(__name__)
 
 
-class HybridCommHook(CommCallback, pl.Callback):
+class HybridCommCallback(CommCallback, pl.Callback):
     """Average the DDP gradients of ``trainer.fit`` with hybrid's ``algorithm`` (hierarchical, sharded, flat, auto).
 
     The nodes are Lightning's own (``trainer.node_rank``). During and after ``fit``, :attr:`attached` is the
@@ -50,12 +51,12 @@ class HybridCommHook(CommCallback, pl.Callback):
         strategy = trainer.strategy
         if not isinstance(strategy, pl.strategies.DDPStrategy):
             if trainer.world_size == 1 and not dist.is_initialized():
-                log.warning("HybridCommHook: one process, no gradients to average; training without it")
+                log.warning("HybridCommCallback: one process, no gradients to average; training without it")
                 return
-            raise ValueError(f"HybridCommHook needs strategy='ddp' (DDPStrategy), got {type(strategy).__name__}")
+            raise ValueError(f"HybridCommCallback needs strategy='ddp' (DDPStrategy), got {type(strategy).__name__}")
         if getattr(strategy, "_ddp_comm_hook", None) is not None:
-            raise ValueError(f"HybridCommHook and the strategy's ddp_comm_hook={strategy._ddp_comm_hook.__name__} both "
-                             "want DDP's one comm hook: give DDPStrategy no ddp_comm_hook, or drop HybridCommHook")
+            raise ValueError(f"HybridCommCallback and the strategy's ddp_comm_hook={strategy._ddp_comm_hook.__name__} both "
+                             "want DDP's one comm hook: give DDPStrategy no ddp_comm_hook, or drop HybridCommCallback")
         self._connect(node_rank=trainer.node_rank)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -67,3 +68,13 @@ class HybridCommHook(CommCallback, pl.Callback):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._close(timeout_s=1.0)
+
+
+def __getattr__(name: str) -> type:
+    """``HybridCommHook``, the callback's first name (it is a Callback, not a comm hook): still importable, with a
+    DeprecationWarning, so that programs written against it keep running."""
+    if name == "HybridCommHook":
+        warnings.warn("hybrid.integrations.lightning.HybridCommHook is deprecated: it is HybridCommCallback now",
+                      DeprecationWarning, stacklevel=2)
+        return HybridCommCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -58,7 +58,7 @@ def lightning_cases() -> dict:
     from pytorch_lightning.strategies import DDPStrategy
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from hybrid.integrations.lightning import HybridCommHook
+    from hybrid.integrations.lightning import HybridCommCallback
 
     class Regressor(pl.LightningModule):
         def __init__(self) -> None:
@@ -72,7 +72,7 @@ def lightning_cases() -> dict:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
-    class Sabotaged(HybridCommHook):
+    class Sabotaged(HybridCommCallback):
         def on_fit_start(self, trainer, pl_module) -> None:
             super().on_fit_start(trainer, pl_module)
             sabotage(self.attached)
@@ -95,11 +95,11 @@ def lightning_cases() -> dict:
             record.update(hook_record(callback.attached))
         return record
 
-    hook_and_hybrid = HybridCommHook()
+    hook_and_hybrid = HybridCommCallback()
     return {
         "lightning/plain": lambda: fit(),
-        "lightning/hierarchical": lambda: fit(HybridCommHook("hierarchical")),
-        "lightning/sharded": lambda: fit(HybridCommHook("sharded")),
+        "lightning/hierarchical": lambda: fit(HybridCommCallback("hierarchical")),
+        "lightning/sharded": lambda: fit(HybridCommCallback("sharded")),
         "lightning/sabotaged": lambda: fit(Sabotaged("hierarchical")),
         "lightning/strategy-hook-too": lambda: fit(hook_and_hybrid, ddp_comm_hook=default_hooks.allreduce_hook),
     }

@@ -11,10 +11,10 @@ import math
 from hybrid.core.costmodel import Model
 from hybrid.core.topology import Layout
 from hybrid.core.units import human_bytes, human_rate
-from hybrid.tools.report_breakdown import exposed_s
-from hybrid.tools.report_crossing import flip_sentence
-from hybrid.tools.report_format import ms
-from hybrid.tools.report_job import Job, is_reference
+from hybrid.tools.report.breakdown import exposed_s
+from hybrid.tools.report.crossing import flip_sentence
+from hybrid.tools.report.format import ms
+from hybrid.tools.report.job import Job, is_reference
 
 __all__ = ["headlines", "reason_sentence"]
 

@@ -2,7 +2,7 @@
 each ``comm=auto`` job against the fastest fixed algorithm; every job beside plain DDP (torch's own).
 
 Each table names its measure in its columns and says under it what a figure means, so the numbers can be read
-without the code. The breakdown table lives in :mod:`hybrid.tools.report_breakdown`.
+without the code. The breakdown table lives in :mod:`hybrid.tools.report.breakdown`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import statistics
 
 from hybrid.app.observability.run_metrics import TAIL_STEPS
 from hybrid.core.units import human_bytes
-from hybrid.tools.report_format import fmt
-from hybrid.tools.report_job import PHASE_COLUMNS, Job, is_reference
+from hybrid.tools.report.format import fmt
+from hybrid.tools.report.job import PHASE_COLUMNS, Job, is_reference
 
 __all__ = ["FIXED", "auto_table", "model_tables", "peers_table"]
 

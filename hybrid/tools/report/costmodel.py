@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from hybrid.core.costmodel import Level, Model, fit_level, predict
 from hybrid.core.units import human_rate
-from hybrid.tools.report_job import Job, is_reference
+from hybrid.tools.report.job import Job, is_reference
 
 __all__ = ["auto_choice", "calibrate_from_jobs", "describe_model", "predict_job", "predict_jobs"]
 

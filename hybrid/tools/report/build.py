@@ -1,5 +1,5 @@
 """``python -m hybrid.report MULTIRUN_DIR``: a sweep's jobs -> report.md (its answer, then tables), report.png
-(plot) and report_breakdown.png (where a step's time goes, per algorithm: :mod:`hybrid.tools.report_breakdown`).
+(plot) and report_breakdown.png (where a step's time goes, per algorithm: :mod:`hybrid.tools.report.breakdown`).
 
 Reads every job directory of a Hydra multirun (``.hydra/config.yaml`` and, once
 the job finished, ``metrics.json``). Jobs without metrics (failed, or still
@@ -22,10 +22,10 @@ not fit is named, with the reason, in words. Where the sweep ran
 ``comm=auto``, a table sets each auto job against the fastest fixed
 algorithm on the same shape and model, with the choices auto made.
 
-The parts live beside this entry point, one job each: the job as read (:mod:`hybrid.tools.report_job`), the
-cost model's calibration and predictions (:mod:`hybrid.tools.report_costmodel`), the headlines
-(:mod:`hybrid.tools.report_headline`) and their crossing points (:mod:`hybrid.tools.report_crossing`), the
-tables (:mod:`hybrid.tools.report_tables`), report.png (:mod:`hybrid.tools.report_plot`) and the breakdown.
+The parts live beside this module in the package, one job each: the job as read (:mod:`hybrid.tools.report.job`), the
+cost model's calibration and predictions (:mod:`hybrid.tools.report.costmodel`), the headlines
+(:mod:`hybrid.tools.report.headline`) and their crossing points (:mod:`hybrid.tools.report.crossing`), the
+tables (:mod:`hybrid.tools.report.tables`), report.png (:mod:`hybrid.tools.report.plot`) and the breakdown.
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ from hybrid.core.topology import Layout
 from hybrid.core.units import human_rate
 from hybrid.runtime.slurm_records import OUTCOME_FILE
 from hybrid.runtime.testbed import per_node_rates
-from hybrid.tools.report_breakdown import breakdown_figure, breakdown_table
-from hybrid.tools.report_costmodel import calibrate_from_jobs, describe_model, predict_jobs
-from hybrid.tools.report_format import fmt
-from hybrid.tools.report_headline import headlines
-from hybrid.tools.report_job import LOOPBACK, Job, is_reference
-from hybrid.tools.report_loss import loss_figure
-from hybrid.tools.report_plot import report_figure
-from hybrid.tools.report_tables import auto_table, model_tables, peers_table
+from hybrid.tools.report.breakdown import breakdown_figure, breakdown_table
+from hybrid.tools.report.costmodel import calibrate_from_jobs, describe_model, predict_jobs
+from hybrid.tools.report.format import fmt
+from hybrid.tools.report.headline import headlines
+from hybrid.tools.report.job import LOOPBACK, Job, is_reference
+from hybrid.tools.report.loss import loss_figure
+from hybrid.tools.report.plot import report_figure
+from hybrid.tools.report.tables import auto_table, model_tables, peers_table
 
 __all__ = ["Job", "calibrate_from_jobs", "comm_label", "headlines", "is_reference", "load_jobs", "main",
            "peers_table", "report_figure", "write_report"]

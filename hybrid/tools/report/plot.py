@@ -8,8 +8,8 @@ import math
 from typing import Any
 
 from hybrid.core.topology import Layout
-from hybrid.tools.report_breakdown import exposed_s
-from hybrid.tools.report_job import Job, is_reference
+from hybrid.tools.report.breakdown import exposed_s
+from hybrid.tools.report.job import Job, is_reference
 
 __all__ = ["report_figure"]
 

@@ -14,8 +14,8 @@ from typing import Callable
 from hybrid.core.costmodel import MODELLED_ALGORITHMS, Level, Model, predict
 from hybrid.core.topology import Layout
 from hybrid.core.units import human_bytes, human_rate
-from hybrid.tools.report_format import ms
-from hybrid.tools.report_job import Job, split_buckets
+from hybrid.tools.report.format import ms
+from hybrid.tools.report.job import Job, split_buckets
 
 __all__ = ["flip_sentence"]
 

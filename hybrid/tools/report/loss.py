@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybrid.tools.report_job import Job, is_reference
+from hybrid.tools.report.job import Job, is_reference
 
 __all__ = ["MIN_POINTS", "bytes_per_step", "loss_figure", "loss_points", "smoothed"]
 
