@@ -4,7 +4,7 @@ A streamed checkpoint lays its file out with a placeholder for every tensor whos
 (:mod:`hybrid.app.state.streamed_save`). Allocated with ``torch.empty`` they cost no memory while untouched, but
 freeing them does: glibc serves large blocks with their own ``mmap`` and, on freeing one, raises its threshold
 for doing so to that block's size (up to 32 MB), so that from then on the step's temporaries below it come from
-the heap, which keeps what it once held. One DiLoCo checkpoint of GPT-2 thus left rank 0 ~45 MB larger for the
+the heap, which keeps what it once held: a DiLoCo checkpoint of GPT-2 would leave rank 0 ~45 MB larger for the
 rest of the run. A placeholder mapped here is anonymous memory of its own, outside the allocator: untouched, it
 costs nothing, and freed, it changes nothing.
 """

@@ -2,9 +2,9 @@
 
 A worker that loses and regains peers in place (:mod:`hybrid.app.state.in_place`) builds new process groups,
 whose gloo threads allocate in glibc's per-thread arenas (up to 8 per core). Each arena keeps what it once held,
-so a long run's resident set crept up a few MB per loss and return: +1.9% to +2.6% over 5,000 steps of 2x2 with
-four (experiments/recovery/soak.py), with two arenas +0.2% and -2.9%, and no slower. Elsewhere (another C
-library) nothing is done.
+so without a limit a long run's resident set creeps up a few MB per loss and return (+1.9% to +2.6% over 5,000
+steps of 2x2 with four returns, experiments/recovery/soak.py; with two arenas under 1.5%, and no slower:
+experiments/RESULTS.md 8.3). Elsewhere (another C library) nothing is done.
 """
 
 from __future__ import annotations
