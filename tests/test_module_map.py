@@ -96,3 +96,13 @@ def test_the_map_check_can_fail():
     # A bare name after the first takes its folder: comm/, not the core's top level.
     assert map_mismatch(EXAMPLE, modules - {"hybrid/core/comm/sharded.py"} | {"hybrid/core/sharded.py"}) == (
         ["hybrid/core/sharded.py"], ["hybrid/core/comm/sharded.py"])
+
+
+def test_every_package_ships_in_the_wheel():
+    """pyproject.toml names the packages a wheel carries one by one: a sub-package missing there imports from a
+    checkout and fails installed (tests/test_wheel.py finds it too, minutes later)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "hybrid").rglob("__init__.py")}
+    assert sorted(packages - listed) == [], "add them to [tool.setuptools] packages in pyproject.toml"
