@@ -34,15 +34,8 @@ class HybridCommCallback(CommCallback, pl.Callback):
 
     The nodes are Lightning's own (``trainer.node_rank``). During and after ``fit``, :attr:`attached` is the
     communicator and its hooks (closed once ``fit`` ends) and :attr:`counters` what travelled (seconds,
-    bytes, calls per phase).
-
-    Args:
-        algorithm: ``hierarchical``, ``sharded``, ``flat`` or ``auto`` (:func:`hybrid.attach`'s).
-        intra_backend: the backend inside a node: ``auto`` (NCCL on CUDA, else gloo), ``gloo`` or ``nccl``.
-        inter_backend: the backend between nodes, as ``intra_backend``.
-        timeout_s: every collective's limit, seconds (> 0).
-        chunk_bytes: the two-level algorithms' pipeline pieces, bytes (default 4 MiB).
-        inter_compression: ``none``, ``bf16`` or ``fp16``: the inter-node hop only (two-level algorithms).
+    bytes, calls per phase). The constructor's arguments: :class:`hybrid.integrations.base.CommCallback`'s
+    (``help(HybridCommCallback.__init__)`` lists them).
     """
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
