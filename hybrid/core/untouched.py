@@ -11,6 +11,7 @@ costs nothing, and freed, it changes nothing.
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -21,10 +22,7 @@ __all__ = ["untouched_tensor"]
 def untouched_tensor(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of ``shape`` and ``dtype`` in an anonymous mapping of its own (zeros where read; memory only
     where written), unmapped when the tensor is freed."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
