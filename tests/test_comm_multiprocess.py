@@ -228,6 +228,14 @@ def test_diloco_outer_loop_is_data_parallel_in_its_exact_case_and_keeps_nodes_in
             assert everyone == ((step + 1) % 8 == 0), (inter, step + 1)
         # A sync one tensor at a time (the pieces that bound its memory) gives the same bits as one exchange.
         assert [r["diloco"][f"h8_pieces_{inter}"]["digests"] for r in by_rank] == [run["digests"] for run in runs]
+    # Sharded, each node's two workers split the outer state by whole tensors (each tensor held once per node, by
+    # the same local rank on both nodes), and with two nodes (a sum of two is the same in either order) it gives
+    # hierarchical's bits, where every worker holds all of it.
+    owned = [r["diloco"]["h8_sharded"]["owned"] for r in by_rank]
+    assert sorted(owned[0] + owned[1]) == [0, 1, 2, 3] and owned[0] and owned[1], owned
+    assert owned[2:] == owned[:2] and all(r["diloco"]["h8_hierarchical"]["owned"] == [0, 1, 2, 3] for r in by_rank)
+    assert [r["diloco"]["h8_sharded"]["digests"] for r in by_rank] == \
+        [r["diloco"]["h8_hierarchical"]["digests"] for r in by_rank]
     # Streaming, two fragments (the first layer; the rest), H=8: fragment 0 syncs at steps 4, 12, 20 and fragment 1
     # at 8, 16, each identical on every rank just then, and each node's workers identical throughout.
     runs = [r["diloco"]["h8_streaming"] for r in by_rank]
@@ -260,8 +268,8 @@ def test_diloco_outer_loop_is_data_parallel_in_its_exact_case_and_keeps_nodes_in
         plain = [r["diloco"][f"h8_{inter}"] for r in by_rank]
         runs = [r["diloco"][f"h8_overlap_{inter}"] for r in by_rank]
         for run, reference in zip(runs, plain):
-            assert run["global_digests"][8] == reference["digests"][7], inter
-            assert run["global_digests"][7] != reference["digests"][7], inter  # not landed yet at step 8
+            assert run["global_digests"][8] == reference["owned_digests"][7], inter
+            assert run["global_digests"][7] != reference["owned_digests"][7], inter  # not landed yet at step 8
         for step in range(20):
             assert all(runs[a]["digests"][step] == runs[b]["digests"][step]
                        for a in range(4) for b in range(4) if nodes[a] == nodes[b]), (inter, step + 1)

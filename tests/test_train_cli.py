@@ -182,7 +182,7 @@ BAD = [
      "comm.inter_compression='bf16' compresses the inter-node phase of hierarchical and sharded (and auto's choices of them); comm=flat has none"),
     (["comm=diloco", "comm.sync_every=0"], "comm.sync_every=0 must be >= 1 (inner steps between syncs)"),
     (["comm=diloco", "comm.fragments=3"], "comm.fragments=3 must divide comm.sync_every=32"),
-    (["comm=diloco", "comm.inter=ring"], "comm.inter='ring' is not one of hierarchical, sharded"),
+    (["comm=diloco", "comm.inter=ring"], "comm.inter='ring' is not one of auto, hierarchical, sharded"),
     (["comm=diloco", "comm.inter_compression=int4"], "comm.inter_compression='int4' is not one of none, bf16, fp16, fp8"),
     (["comm=diloco", "comm.outer_optim._partial_=false"], "comm.outer_optim._partial_=False: the outer optimizer is"),
     (["comm=diloco", "comm.outer_optim._target_=torch.nn.Linear"],

@@ -537,12 +537,12 @@ def test_diloco_in_its_exact_case_is_ddp_and_at_h8_keeps_nodes_in_step_and_resum
         same = all(torch.equal(first["model"][k], second["model"][k]) for k in first["model"])
         assert same == (step % 8 == 0 or step == 20), step
     assert h8["bytes"]["inter_allreduce"] > 0 and h8["bytes"]["flat_allreduce"] == 0
-    # The timeline of steps 7-9: the exchange among nodes only in step 8 (leaders: inter_allreduce; every rank: the
-    # mean spread inside its node).
+    # The timeline of steps 7-9: the exchange among nodes only in step 8 (comm.inter=auto is sharded on equal nodes:
+    # every rank crosses with its share of the tensors, then spreads their new weights inside its node).
     spans = [e for e in json.loads((root / "diloco-h8" / "timeline.json").read_text())["traceEvents"]
              if e["ph"] == "X" and e["cat"] == "comm"]
     assert {(e["name"], e["args"]["step"]) for e in spans} == {("inter_allreduce", 8), ("intra_broadcast", 8)}
-    assert {e["args"]["rank"] for e in spans if e["name"] == "inter_allreduce"} == {0, 2}
+    assert {e["args"]["rank"] for e in spans if e["name"] == "inter_allreduce"} == {0, 1, 2, 3}
     resumed = results["diloco-h8-resumed"]
     assert resumed["steps_run"] == 7 and resumed["param_checksum"] == h8["param_checksum"]
     for straight, again in zip(nodes("diloco-h8", 20), nodes("diloco-h8-resumed", 20)):
@@ -551,6 +551,17 @@ def test_diloco_in_its_exact_case_is_ddp_and_at_h8_keeps_nodes_in_step_and_resum
         for s1, s2 in zip(straight["optimizer"]["state"].values(), again["optimizer"]["state"].values()):
             assert torch.equal(s1["momentum_buffer"], s2["momentum_buffer"])
         assert straight["outer"]["syncs"] == again["outer"]["syncs"]
+    # The outer state is saved once, a share from each of node 0's workers (disjoint whole tensors, all of them
+    # together), and the resumed run's equals the straight run's bitwise.
+    shares = [torch.load(root / run / "checkpoints" / "step-00000020.pt", weights_only=True)["diloco"]["outer_shares"]
+              for run in ("diloco-h8", "diloco-h8-resumed")]
+    held = [i for share in shares[0] for i in share["global"]]
+    assert len(shares[0]) == 2 and all(share["global"] for share in shares[0])
+    assert sorted(held) == list(range(len(nodes("diloco-h8", 20)[0]["model"])))
+    for straight, again in zip(*shares, strict=True):
+        assert all(torch.equal(straight["global"][i], again["global"][i]) for i in straight["global"])
+        assert all(torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+                   for a, b in zip(straight["outer"]["state"].values(), again["outer"]["state"].values(), strict=True))
 
 
 @pytest.mark.multiprocess

@@ -204,11 +204,12 @@ class CommConfig:
     powersgd_rank: int = 1  # PowerSGD's matrix_approximation_rank
     powersgd_warmup_steps: int = 10  # PowerSGD's start_powerSGD_iter (torch's default: 1000)
     # comm=diloco only (docs/diloco.md): nodes meet every sync_every inner steps; the pseudo-gradients travel
-    # through the node leaders (inter=hierarchical) or sharded over every worker's link (inter=sharded), in
+    # through the node leaders (inter=hierarchical) or each worker's share of the tensors over its own link
+    # (inter=sharded: each worker holds 1/g of the outer state; auto: sharded on equal nodes), in
     # `fragments` staggered parts, in the background of the next inner step (overlap), and are applied by
     # outer_optim (a _partial_ torch.optim class). inter_compression then also takes fp8.
     sync_every: int = 32
-    inter: str = "hierarchical"
+    inter: str = "auto"
     fragments: int = 1
     overlap: bool = False
     overlap_steps: int = 1  # with overlap: the inner steps an exchange has to land (1..sync_every/fragments)
@@ -266,7 +267,7 @@ class CommConfig:
     def _check_diloco(self) -> None:
         if isinstance(self.sync_every, bool) or not self.sync_every >= 1:
             raise ValueError(f"comm.sync_every={self.sync_every!r} must be >= 1 (inner steps between syncs)")
-        one_of("comm.inter", self.inter, INTER_MODES)
+        one_of("comm.inter", self.inter, ("auto", *INTER_MODES))
         if not 1 <= self.fragments <= self.sync_every or self.sync_every % self.fragments:
             raise ValueError(f"comm.fragments={self.fragments!r} must divide comm.sync_every={self.sync_every} "
                              "(each fragment syncs once per interval, at its own step)")

@@ -547,7 +547,7 @@ after every step, and of the weights after ``OuterSync.finish``."""
 
     model, inner, sync = build()
     batches = torch.Generator().manual_seed(1000 + topo.rank)
-    digests, global_digests, weights = [], [], None
+    digests, global_digests, owned_digests, weights = [], [], [], None
     for step in range(1, steps + 1):
         x, y = torch.randn(8, 16, generator=batches), torch.randint(0, 4, (8,), generator=batches)
         inner.zero_grad()
@@ -563,6 +563,7 @@ after every step, and of the weights after ``OuterSync.finish``."""
         digests.append([digest([params[i] for i in run]) for run in sync.fragments] if sync and fragments > 1
                        else digest(params))
         global_digests.append(digest(sync.global_params) if sync else None)
+        owned_digests.append(digest([params[i] for i in sync.owned]) if sync else None)
         if step == stop_at:
             saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(inner.state_dict()),
                      copy.deepcopy(sync.state_dict()) if sync else None)
@@ -575,7 +576,8 @@ after every step, and of the weights after ``OuterSync.finish``."""
     syncs = sync.syncs if sync else 0
     if sync:
         sync.finish(steps)
-    return {"digests": digests, "global_digests": global_digests, "weights": weights.tolist(),
+    return {"digests": digests, "global_digests": global_digests, "owned_digests": owned_digests,
+            "weights": weights.tolist(), "owned": sync.owned if sync else None,
             "syncs": syncs, "bytes_per_sync": sync.bytes_per_sync if sync else 0,
             "finished": digest(list(model.parameters())), "identical_everywhere": bool(sync and sync.identical_everywhere)}
 

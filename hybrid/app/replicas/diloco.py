@@ -10,8 +10,9 @@ finishes with the same model.
 
 Between syncs the nodes hold different weights and inner optimizer states, so
 a checkpoint keeps every node's (streamed into rank 0's file a piece at a time), with the
-global weights, the outer optimizer's state and any exchange in flight: a
-resume anywhere inside an interval continues bitwise. The checkpoint's
+outer state once (the global weights, the outer optimizer's state and any exchange in flight: the same on
+every node; with ``comm.inter=sharded`` a share from each of node 0's workers): a
+resume anywhere inside an interval continues bitwise, in any layout. The checkpoint's
 ``model`` and ``optimizer`` are node 0's, so any comm can resume it (from node
 0's weights) and DiLoCo can resume any comm's checkpoint (every node from its
 weights). After an elastic change of the node count, node k continues from
@@ -30,24 +31,34 @@ from hybrid.app.components.data import BatchStream
 from hybrid.app.components.losses import LossFn
 from hybrid.app.config import CommConfig, outer_optimizer
 from hybrid.app.replicas.base import PlainState, RankReplica
-from hybrid.app.state.node_states import StreamedNodeStates
+from hybrid.app.state.rank_parts import StreamedParts
 from hybrid.core.comm import CommGroups, PhaseCounters
 from hybrid.core.diloco import OuterSync
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
 
-__all__ = ["CHECKPOINT_KEY", "DilocoReplica", "DilocoState", "build_outer_sync", "diloco_group_kinds", "restore_node"]
+__all__ = ["CHECKPOINT_KEY", "DilocoReplica", "DilocoState", "build_outer_sync", "diloco_group_kinds", "diloco_inter",
+           "restore_node"]
 
 CHECKPOINT_KEY = "diloco"
 
 
-def diloco_group_kinds(comm: CommConfig, topology: Topology) -> tuple[str, ...]:
-    """The groups comm=diloco talks over: the node's (DDP's, and the mean spread inside it), and the leaders or
-    the same-local-rank groups among nodes. One line where sharded cannot run."""
+def diloco_inter(comm: CommConfig, topology: Topology) -> str:
+    """How the nodes' pseudo-gradients travel: ``comm.inter``, with ``auto`` sharded where the nodes are of equal
+    size (each worker then holds 1/g of the outer state and crosses its own link) and hierarchical elsewhere. One
+    line where sharded cannot run."""
+    if comm.inter == "auto":
+        return "sharded" if topology.is_uniform else "hierarchical"
     if comm.inter == "sharded" and not topology.is_uniform:
         raise ValueError(f"comm.inter=sharded needs nodes of equal size; these have {list(topology.node_sizes)} "
-                         "workers: use comm.inter=hierarchical")
-    return ("intra", "leaders") if comm.inter == "hierarchical" else ("intra", "cross")
+                         "workers: use comm.inter=hierarchical or auto")
+    return comm.inter
+
+
+def diloco_group_kinds(comm: CommConfig, topology: Topology) -> tuple[str, ...]:
+    """The groups comm=diloco talks over: the node's (DDP's, and the new weights spread inside it), and the
+    leaders or the same-local-rank groups among nodes."""
+    return ("intra", "leaders") if diloco_inter(comm, topology) == "hierarchical" else ("intra", "cross")
 
 
 def build_outer_sync(model: nn.Module, groups: CommGroups, comm: CommConfig, counters: PhaseCounters) -> OuterSync:
@@ -61,16 +72,16 @@ def build_outer_sync(model: nn.Module, groups: CommGroups, comm: CommConfig, cou
         return built
 
     return OuterSync(model.parameters(), groups, sync_every=comm.sync_every, outer_optimizer=outer,
-                     inter=comm.inter, fragments=comm.fragments, compression=comm.inter_compression,
+                     inter=diloco_inter(comm, groups.topology), fragments=comm.fragments, compression=comm.inter_compression,
                      overlap=comm.overlap, overlap_steps=comm.overlap_steps, counters=counters)
 
 
 def restore_node(saved: dict[str, Any] | None, node: int, model: nn.Module, optimizer: Any,
                  outer: OuterSync) -> str | None:
-    """Load this node's part of a DiLoCo checkpoint (``saved``: its :data:`CHECKPOINT_KEY` entry; None: the run
-    is fresh or resumes another comm's checkpoint, whose weights every node already holds). The inner
-    optimizer's state is loaded without its param groups, which the resume has set (a changed LR policy).
-    Returns a status line where the node count changed."""
+    """Load this node's part of a DiLoCo checkpoint and this rank's share of the outer state (``saved``: its
+    :data:`CHECKPOINT_KEY` entry; None: the run is fresh or resumes another comm's checkpoint, whose weights
+    every node already holds). The inner optimizer's state is loaded without its param groups, which the
+    resume has set (a changed LR policy). Returns a status line where the node count changed."""
     if not saved:
         return None
     nodes = saved["nodes"]
@@ -79,36 +90,45 @@ def restore_node(saved: dict[str, Any] | None, node: int, model: nn.Module, opti
         model.load_state_dict(entry["model"])
         optimizer.load_state_dict({"state": entry["optimizer"]["state"],
                                    "param_groups": optimizer.state_dict()["param_groups"]})
-    outer.load_state_dict(entry["outer"])
+    shares = saved.get("outer_shares")  # absent: a checkpoint whose nodes each held the whole outer state
+    outer.load_state_dict(entry["outer"] if shares is None else {**entry["outer"], "shares": shares})
     return None if node < len(nodes) else (f"diloco: node {node} is new since the checkpoint ({len(nodes)} "
                                             "node(s)); it continues from node 0's weights")
 
 
 class DilocoState(PlainState):
-    """Checkpoints of comm=diloco: every node's model and inner optimizer state and its part of the outer loop,
-    streamed from each node's leader into rank 0's file a piece at a time (:mod:`hybrid.app.state.node_states`:
-    rank 0 never holds another node's state whole); node 0's as the checkpoint's ``model`` and ``optimizer``, so
-    it also resumes as a plain checkpoint. Set ``outer`` before the first save."""
+    """Checkpoints of comm=diloco: every node's model and inner optimizer state (from its leader) and the outer
+    state once (from node 0's workers that hold a share of it), streamed into rank 0's file a piece at a time
+    (:mod:`hybrid.app.state.rank_parts`: rank 0 never holds another rank's part whole); node 0's as the
+    checkpoint's ``model`` and ``optimizer``, so it also resumes as a plain checkpoint. Set ``outer`` before the
+    first save."""
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self.outer: OuterSync | None = None
-        self._nodes: StreamedNodeStates | None = None
+        self._parts: StreamedParts | None = None
 
     def collect(self, model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         if self.outer is None:
             raise RuntimeError("DilocoState.outer is not set: build the OuterSync before the first checkpoint")
         outer = self.outer.state_dict()  # collective where an exchange is in flight: on every rank
-        mine = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "outer": outer}
-        self._nodes = StreamedNodeStates(mine if self.topology.is_leader else None, list(self.topology.leaders))
-        return mine["model"], mine["optimizer"]
+        share = outer.pop("shares")[0]
+        topology = self.topology
+        node = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "outer": outer}
+        holds_share = topology.node == 0 and (self.outer.owners is not None or topology.is_leader)
+        mine = {"node": node if topology.is_leader else None, "share": share if holds_share else None}
+        self._parts = StreamedParts(mine if topology.is_leader or holds_share else None)
+        return node["model"], node["optimizer"]
 
     def extra(self) -> dict[str, Any]:
-        entries = self._nodes.entries() if self._nodes is not None else None
-        return {CHECKPOINT_KEY: {"nodes": entries}} if entries is not None else {}
+        entries = self._parts.entries() if self._parts is not None else None
+        if entries is None:
+            return {}
+        return {CHECKPOINT_KEY: {"nodes": [e["node"] for e in entries if e["node"] is not None],
+                                 "outer_shares": [e["share"] for e in entries if e["share"] is not None]}}
 
-    def deferred(self) -> StreamedNodeStates | None:
-        return self._nodes
+    def deferred(self) -> StreamedParts | None:
+        return self._parts
 
 
 class DilocoReplica(RankReplica):

@@ -22,9 +22,11 @@ The average travels one of two ways, as hybrid's own algorithms do:
 - ``hierarchical``: the node leaders all-reduce the whole pseudo-gradient
   (they hold their node's, identical on every worker of it), and each leader
   broadcasts the mean inside its node;
-- ``sharded``: worker j of every node all-reduces the j-th of g shards over
-  its same-local-rank group (all shards side by side, over every worker's
-  link), and the node all-gathers the shards (uniform nodes only).
+- ``sharded``: the node's workers split the parameters (whole tensors, balanced by size:
+  :mod:`hybrid.core.diloco.outer_state`); worker j holds the global weights and outer optimizer state of its
+  tensors only (about 1/g of them), averages their pseudo-gradient with worker j of every other node over
+  its same-local-rank group (all shares side by side, over every worker's link), takes their outer step,
+  and broadcasts the new weights inside its node (uniform nodes only).
 
 With ``compression`` (``bf16``, ``fp16``, or ``fp8``: e4m3 with a scale per block,
 :mod:`hybrid.core.diloco.codec`) the nodes' parts are all-gathered encoded instead of all-reduced, and
@@ -37,7 +39,7 @@ overlap, and each node continues from the new global weights plus the inner step
 then differ by those steps after an outer step, as they do between syncs (Streaming DiLoCo's overlap, with the
 local steps kept rather than mixed).
 
-Both give every rank the same bits (one all-reduce per element, then copies),
+Both give every rank the same bits (one all-reduce per element, then copies or broadcasts),
 and the outer step is the same deterministic update on every rank, so all
 ranks hold identical weights after each sync. Nodes count equally, as DiLoCo
 weighs its workers; with equal nodes, H = 1, an outer SGD with lr 1 and no
@@ -58,6 +60,7 @@ import torch.distributed as dist
 from hybrid.core.comm.counters import PhaseCounters, allreduce_bytes, rooted_bytes
 from hybrid.core.comm.groups import CommGroups
 from hybrid.core.diloco.codec import CODECS, EncodedGather, wire_bytes
+from hybrid.core.diloco.outer_state import load_optimizer_share, merge_shares, optimizer_share, owners
 
 __all__ = ["INTER_MODES", "OuterSync", "PIECE_BYTES", "default_outer_optimizer"]
 
@@ -78,8 +81,8 @@ class _Exchange:
 
     fragment: int
     due: int  # the inner step at whose end it lands
-    delta: torch.Tensor  # 1-D fp32: this node's pseudo-gradient, the mean among nodes once ``complete`` ran
-    sent: torch.Tensor | None  # overlap: the fragment's local weights (fp32) when it left
+    delta: torch.Tensor  # 1-D fp32: this rank's tensors' pseudo-gradient, the mean among nodes once ``complete`` ran
+    sent: torch.Tensor | None  # overlap: the whole fragment's local weights (fp32) when it left
     complete: Callable[[], None] | None  # waits for the exchange and writes the mean into delta; None: done
 
 
@@ -109,7 +112,9 @@ class OuterSync:
     ``functools.partial(torch.optim.SGD, lr=0.7)``). ``counters``: the exchange's time and bytes, as phases
     ``inter_allreduce`` (among nodes) and ``intra_broadcast`` (the mean spread inside the node).
     ``piece_bytes``: a sync without overlap averages and applies the pseudo-gradient this much at a time.
-    Collective: every rank of the job constructs it and calls ``step`` with the same counts."""
+    ``global_params``: the fp32 global weights this rank holds (of the tensors ``owned``: all of them with
+    ``inter=hierarchical``, this worker's share with ``sharded``). Collective: every rank of the job constructs
+    it and calls ``step`` with the same counts."""
 
     def __init__(self, params: Iterable[torch.Tensor], groups: CommGroups, *, sync_every: int,
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = default_outer_optimizer,
@@ -141,12 +146,19 @@ class OuterSync:
         self.groups, self.sync_every, self.inter, self.compression = groups, sync_every, inter, compression
         self.overlap, self.counters = overlap, counters if counters is not None else PhaseCounters()
         self.delay = overlap_steps if overlap else 0  # inner steps between an exchange leaving and landing
-        # fp32 masters of the global weights, whatever the model's dtype: the outer step runs on them.
-        self.global_params = [p.detach().clone().float() for p in self.params]
-        self.outer = outer_optimizer(self.global_params)
         self.fragments = _fragments([p.numel() for p in self.params], fragments)
-        self._pieces = [_pieces(run, [self.global_params[i].nbytes for i in run], piece_bytes)
-                        for run in self.fragments]
+        nbytes = [p.numel() * 4 for p in self.params]
+        # Who holds each tensor's outer state: every rank (hierarchical) or one worker of each node (sharded).
+        self.owners = owners(self.fragments, nbytes, topology.local_world_size) if inter == "sharded" else None
+        self.owned = [i for i in range(len(self.params)) if self.owners is None or self.owners[i] == topology.local_rank]
+        # fp32 masters of the global weights of this rank's tensors, whatever the model's dtype: the outer step
+        # runs on them.
+        self._global = {i: self.params[i].detach().clone().float() for i in self.owned}
+        self.global_params = [self._global[i] for i in self.owned]
+        self.outer = outer_optimizer(self.global_params) if self.global_params else None
+        self._index_of = {id(g): i for i, g in self._global.items()}
+        self._pieces = [_pieces([i for i in run if i in self._global], [nbytes[i] for i in run if i in self._global],
+                                piece_bytes) for run in self.fragments]
         self.syncs = 0
         self.last_pseudo_grad_norm = 0.0
         self.bytes_per_sync = self._bytes_per_sync()
@@ -202,12 +214,12 @@ class OuterSync:
 
     @torch.no_grad()
     def _start(self, fragment: int, due: int) -> _Exchange:
-        """This node's pseudo-gradient of ``fragment`` (global minus local weights) sent on its way, to land at
-        the end of inner step ``due`` (overlap: the whole fragment travels while the inner steps go on)."""
+        """This rank's share of ``fragment``'s pseudo-gradient (global minus local weights) sent on its way, to
+        land at the end of inner step ``due`` (overlap: the whole share travels while the inner steps go on)."""
         chosen = self.fragments[fragment]
         local = torch.cat([self.params[i].detach().float().reshape(-1) for i in chosen])
-        delta = self._pseudo_grad(chosen)
-        exchange = _Exchange(fragment, due, delta, local, self._start_average(delta))
+        delta = self._pseudo_grad(self._mine(fragment))
+        exchange = _Exchange(fragment, due, delta, local, self._start_average(delta) if delta.numel() else None)
         self._pending.append(exchange)
         return exchange
 
@@ -219,25 +231,29 @@ class OuterSync:
         optimizer steps each piece's parameters on their own (torch's optimizers update parameters one by one
         and skip those without a gradient), and an all-reduce sums each element alike however the buffer is cut,
         so the result is the same as one exchange of the whole fragment."""
-        norms = []
+        squares = 0.0
         for piece in self._pieces[fragment]:
             delta = self._pseudo_grad(piece)
             complete = self._start_average(delta)
             if complete is not None:
                 complete()
-            norms.append(float(delta.norm()))
-            self._outer_step(piece, delta, None)
-        self.last_pseudo_grad_norm = math.hypot(*norms)
+            squares += float(delta.norm()) ** 2
+            self._outer_step(piece, delta)
+        self._spread(self.fragments[fragment], None)
+        self.last_pseudo_grad_norm = self._node_norm(squares)
         self._clean[fragment] = True
         self.syncs += 1
 
+    def _mine(self, fragment: int) -> list[int]:
+        return [i for i in self.fragments[fragment] if i in self._global]
+
     def _pseudo_grad(self, chosen: list[int]) -> torch.Tensor:
-        """Global minus local weights of the tensors ``chosen``, flat fp32, written in one buffer."""
-        delta = torch.empty(sum(self.global_params[i].numel() for i in chosen), dtype=torch.float32,
-                            device=self.global_params[0].device)
+        """Global minus local weights of the tensors ``chosen`` (this rank's), flat fp32, in one buffer."""
+        delta = torch.empty(sum(self.params[i].numel() for i in chosen), dtype=torch.float32,
+                            device=self.params[0].device)
         offset = 0
         for i in chosen:
-            g, n = self.global_params[i], self.global_params[i].numel()
+            g, n = self._global[i], self._global[i].numel()
             torch.sub(g.reshape(-1), self.params[i].detach().reshape(-1).float(), out=delta[offset:offset + n])
             offset += n
         return delta
@@ -247,28 +263,58 @@ class OuterSync:
         """Take the outer step on the mean pseudo-gradient of an exchange that travelled in the background and
         continue from the new global weights (plus the inner steps taken since it left, where ``drifted``)."""
         self._complete(exchange)
-        self.last_pseudo_grad_norm = float(exchange.delta.norm())
-        self._outer_step(self.fragments[exchange.fragment], exchange.delta, exchange.sent if drifted else None)
+        self.last_pseudo_grad_norm = self._node_norm(float(exchange.delta.norm()) ** 2)
+        self._outer_step(self._mine(exchange.fragment), exchange.delta)
+        self._spread(self.fragments[exchange.fragment], exchange.sent if drifted else None)
         self._clean[exchange.fragment] = not drifted
         self.syncs += 1
 
-    def _outer_step(self, chosen: list[int], delta: torch.Tensor, sent: torch.Tensor | None) -> None:
-        """The outer optimizer's step on the tensors ``chosen`` with the mean pseudo-gradient ``delta``; each
-        worker continues from the new global weights (plus what it moved since ``sent``, where given)."""
-        pairs = [(self.global_params[i], self.params[i]) for i in chosen]
+    def _outer_step(self, chosen: list[int], delta: torch.Tensor) -> None:
+        """The outer optimizer's step on this rank's tensors ``chosen`` with their mean pseudo-gradient ``delta``."""
+        if not chosen:
+            return
         offset = 0
-        for g, _ in pairs:
+        for i in chosen:
+            g = self._global[i]
             g.grad = delta[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
         self.outer.step()  # torch's optimizers skip parameters without a gradient: the other tensors
-        offset = 0
-        for g, p in pairs:
-            if sent is not None:  # keep the inner steps taken while it travelled
-                p.copy_(g + (p.detach().float() - sent[offset:offset + g.numel()].view_as(g)))
-            else:
-                p.copy_(g)
-            offset += g.numel()
-            g.grad = None
+        for i in chosen:
+            self._global[i].grad = None
+
+    def _spread(self, chosen: list[int], sent: torch.Tensor | None) -> None:
+        """Every worker continues the tensors ``chosen`` (a fragment, in order) from their new global weights,
+        plus what it moved since ``sent`` (the fragment's flat local weights when its exchange left), where
+        given. Sharded: each tensor's owner broadcasts it inside the node, in the model's dtype (the same bits
+        its own copy gets), or in fp32 where the workers add their own drift to it."""
+        owners, start = self.owners, time.perf_counter()
+        topology, offset, moved = self.groups.topology, 0, 0
+        for i in chosen:
+            p, g = self.params[i].detach(), self._global.get(i)
+            drift = None if sent is None else sent[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if owners is not None and sent is None:
+                if g is not None:
+                    p.copy_(g)
+                dist.broadcast(p, src=topology.node_ranks[owners[i]], group=self.groups.intra)
+                moved += p.nbytes
+                continue
+            if owners is not None:
+                g = g if g is not None else torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                dist.broadcast(g, src=topology.node_ranks[owners[i]], group=self.groups.intra)
+                moved += g.nbytes
+            p.copy_(g if drift is None else g + (p.float() - drift))  # keep the inner steps taken meanwhile
+        if owners is not None:
+            self.counters.add("intra_broadcast", time.perf_counter() - start,
+                              rooted_bytes(moved, topology.local_world_size), start)
+
+    def _node_norm(self, squares: float) -> float:
+        """The pseudo-gradient's norm from this rank's sum of squares: summed over the node's shares (sharded)."""
+        if self.owners is None or self.groups.topology.local_world_size == 1:
+            return math.sqrt(squares)
+        total = torch.tensor([squares], dtype=torch.float64)
+        dist.all_reduce(total, group=self.groups.intra)
+        return math.sqrt(float(total))
 
     def _complete(self, exchange: _Exchange) -> None:
         if exchange.complete is not None:
@@ -277,7 +323,8 @@ class OuterSync:
 
     def _start_average(self, delta: torch.Tensor) -> Callable[[], None] | None:
         """Start averaging ``delta`` among nodes; the function that waits for it and leaves the mean in ``delta``
-        on every rank (None: one node, nothing to average)."""
+        (None: one node, nothing to average). Hierarchical: on every rank of the node, through its leader.
+        Sharded: this rank's share, with the same-local-rank worker of every other node."""
         topology = self.groups.topology
         n, g = topology.nnodes, topology.local_world_size
         if n == 1:
@@ -293,20 +340,9 @@ class OuterSync:
                                 lambda: dist.broadcast(delta, src=topology.leader, group=self.groups.intra))
 
             return complete_hierarchical
-        size = -(-delta.numel() // g)  # the shard length, the last one padded
-        padded = torch.zeros(size * g, dtype=delta.dtype, device=delta.device)
-        padded[:delta.numel()] = delta
-        shards = list(padded.split(size))
-        mine = shards[topology.local_rank].clone()
-        started = self._start_inter(mine, self.groups.cross)
-
-        def complete_sharded() -> None:
-            self._timed("inter_allreduce", self._inter_bytes(mine.numel()), lambda: started.mean_into(mine))
-            self._timed("intra_broadcast", rooted_bytes(padded.nbytes, g),
-                        lambda: dist.all_gather(shards, mine, group=self.groups.intra))
-            delta.copy_(padded[:delta.numel()])
-
-        return complete_sharded
+        started = self._start_inter(delta, self.groups.cross)
+        return lambda: self._timed("inter_allreduce", self._inter_bytes(delta.numel()),
+                                   lambda: started.mean_into(delta))
 
     def _start_inter(self, values: torch.Tensor, group: dist.ProcessGroup) -> _Started:
         return _Started(values, group, self.groups.topology.nnodes, self.compression)
@@ -325,37 +361,71 @@ class OuterSync:
         self.counters.add(phase, time.perf_counter() - start, nbytes, start)
 
     def _bytes_per_sync(self) -> int:
-        """Bytes each node puts on its inter-node link per interval of H steps, all fragments together."""
-        return self._inter_bytes(sum(g.numel() for g in self.global_params))
+        """Bytes each node puts on its inter-node link per interval of H steps, all fragments together (sharded:
+        every worker's share)."""
+        if self.owners is None:
+            return self._inter_bytes(sum(p.numel() for p in self.params))
+        shares = [0] * self.groups.topology.local_world_size
+        for i, owner in enumerate(self.owners):
+            shares[owner] += self.params[i].numel()
+        return sum(self._inter_bytes(share) for share in shares if share)
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint needs to resume bitwise anywhere inside an interval. Collective where an exchange
-        is in flight (overlap): it is waited for, and its mean saved with the weights it left from, which
-        differ per node. Like torch's own ``state_dict``, it refers to the live tensors (a checkpoint writes
-        them at once; copy it to keep it past the next step)."""
+        """What a checkpoint needs to resume bitwise anywhere inside an interval: the schedule's place and the
+        exchanges in flight (their fragments' weights when they left, which differ per node), and ``shares``:
+        this rank's share of the outer state (:mod:`hybrid.core.diloco.outer_state`; the same on every node).
+        Collective where an exchange is in flight (overlap): it is waited for, and its mean saved. Like torch's
+        own ``state_dict``, it refers to the live tensors (a checkpoint writes them at once; copy it to keep it
+        past the next step)."""
         for exchange in self._pending:
             self._complete(exchange)
-        return {"global_params": list(self.global_params), "outer": self.outer.state_dict(),
-                "syncs": self.syncs, "sync_every": self.sync_every, "fragments": len(self.fragments),
-                "clean": list(self._clean),
-                "pending": [{"fragment": e.fragment, "due": e.due, "delta": e.delta.clone(),
+        deltas = []
+        for e in self._pending:
+            mine, offset = {}, 0
+            for i in self._mine(e.fragment):
+                mine[i] = e.delta[offset:offset + self.params[i].numel()].clone()
+                offset += self.params[i].numel()
+            deltas.append(mine)
+        share = {"global": dict(self._global), "outer": optimizer_share(self.outer, self._index_of),
+                 "deltas": deltas}
+        return {"syncs": self.syncs, "sync_every": self.sync_every, "fragments": len(self.fragments),
+                "clean": list(self._clean), "shares": [share],
+                "pending": [{"fragment": e.fragment, "due": e.due,
                              "sent": None if e.sent is None else e.sent.clone()} for e in self._pending]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state whose ``shares`` may come from any layout (each rank takes the tensors it holds now), or
+        one saved before the outer state was shared (whole, ``global_params``)."""
         saved = (state["sync_every"], state.get("fragments", 1))
         if saved != (self.sync_every, len(self.fragments)):
             raise ValueError(f"the checkpoint synced every {saved[0]} steps in {saved[1]} fragment(s), this run "
                              f"every {self.sync_every} in {len(self.fragments)}: resume with the same schedule")
-        device = self.global_params[0].device
+        merged = merge_shares(state["shares"] if "shares" in state else [self._whole_share(state)])
+        device = self.params[0].device
         with torch.no_grad():
-            for g, saved in zip(self.global_params, state["global_params"], strict=True):
-                g.copy_(saved)
-        self.outer.load_state_dict(state["outer"])
+            for i, g in self._global.items():
+                g.copy_(merged["global"][i])
+        load_optimizer_share(self.outer, self._index_of, merged)
         self.syncs = int(state["syncs"])
         self._clean = list(state.get("clean", [False] * len(self.fragments)))
-        self._pending = [_Exchange(e["fragment"], e["due"], e["delta"].to(device),
-                                   None if e["sent"] is None else e["sent"].to(device), None)
-                         for e in state.get("pending", [])]
+        self._pending = []
+        for k, e in enumerate(state.get("pending", [])):
+            mine = [merged["deltas"][k][i].reshape(-1) for i in self._mine(e["fragment"])]
+            delta = torch.cat(mine).to(device) if mine else torch.empty(0, device=device)
+            self._pending.append(_Exchange(e["fragment"], e["due"], delta,
+                                           None if e["sent"] is None else e["sent"].to(device), None))
+
+    def _whole_share(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A state saved with the whole outer state (every tensor's, ``global_params``) as one share."""
+        outer = {**state["outer"], "positions": list(range(len(state["global_params"])))}
+        deltas = []
+        for e in state.get("pending", []):
+            mine, offset = {}, 0
+            for i in self.fragments[e["fragment"]]:
+                mine[i] = e["delta"][offset:offset + self.params[i].numel()]
+                offset += self.params[i].numel()
+            deltas.append(mine)
+        return {"global": dict(enumerate(state["global_params"])), "outer": outer, "deltas": deltas}
 
 
 def _fragments(sizes: list[int], count: int) -> list[list[int]]:
