@@ -58,9 +58,17 @@ class _FirstTiersThenBackground:
         if config.option.collectonly:
             return
         for item in items:
-            if item.get_closest_marker("background"):
+            if item.get_closest_marker("background") and not _skipped(item):
                 _declare_test(item)
         background.start([item.nodeid for item in items])
+
+
+def _skipped(item: pytest.Item) -> bool:
+    """A test that pytest will skip (``skip``, or ``skipif`` with a true condition, as this suite writes them): its
+    function must not run in the lane, where the skip would only hide what it did."""
+    return item.get_closest_marker("skip") is not None or any(
+        any(not isinstance(condition, str) and condition for condition in mark.args)
+        or bool(mark.kwargs.get("condition", False)) for mark in item.iter_markers("skipif"))
 
 
 def _declare_test(item: pytest.Item) -> None:

@@ -159,6 +159,7 @@ def test_a_killed_worker_stops_the_whole_job_with_its_rank_named(tmp_path):
 
 @pytest.mark.testbed
 @pytest.mark.skipif(TESTBED is not None, reason=f"testbed unavailable: {TESTBED}")
+@pytest.mark.background  # mostly waits (comm.timeout_s on the downed link)
 def test_a_node_whose_link_goes_down_fails_the_job_within_the_timeout(tmp_path):
     timeout_s = 10  # also start-up's limit (store, groups): leave a loaded machine room (the testbed link-down run takes 8)
     job = Job(tmp_path, *SLOW, "trainer.max_steps=100000", f"comm.timeout_s={timeout_s}", "comm=hierarchical",

@@ -121,6 +121,7 @@ def test_bad_sweep_job_is_refused_before_anything_is_queued(tmp_path, args, need
 
 
 @pytest.mark.multiprocess
+@pytest.mark.background  # mostly waits (submitit's polling of its local tasks)
 def test_sweep_of_two_layouts_one_elastic_agent_per_node_as_local_submitit_tasks(tmp_path):
     """2 simulated nodes x 1 worker as 2 local tasks, and a 1x1 job beside it: each job gets its own task count."""
     marker = uuid.uuid4().hex

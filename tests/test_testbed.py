@@ -19,7 +19,7 @@ import pytest
 
 from hybrid.core.topology import Layout
 from hybrid.runtime.launch import launch_local
-from hybrid.runtime.testbed import LinkShape, Testbed, cleanup_leftovers, nic_address, testbed_available
+from hybrid.runtime.testbed import LinkShape, Testbed, cleanup_leftovers, nic_address, process_alive, testbed_available
 
 from helpers import as_user, testbed_targets
 
@@ -27,11 +27,16 @@ REASON = testbed_available()
 needs_testbed = pytest.mark.skipif(REASON is not None, reason=f"testbed unavailable: {REASON}")
 
 
-def ours() -> list[str]:
+def ours(owner: int | None = None) -> list[str]:
+    """hybrid's network namespaces on this machine: those made by process ``owner``, or, with none given, every one
+    whose maker has exited (a leftover). A testbed that a job of the background lane holds meanwhile is neither."""
     if REASON is not None and "root" in REASON:
         return []  # cannot list or create namespaces without root; nothing of ours can exist
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith("hybrid-")]
+    names = [line.split()[0] for line in out.splitlines() if line.startswith("hybrid-")]
+    if owner is not None:
+        return [name for name in names if name.startswith(f"hybrid-{owner}-")]
+    return [name for name in names if not process_alive(int(name.split("-")[1]))]
 
 
 @pytest.mark.testbed
@@ -39,10 +44,10 @@ def ours() -> list[str]:
 def test_nodes_are_separate_namespaces_and_the_link_is_really_shaped():
     link_mbit, nbytes, repeats = 100.0, 4 * 2**20, 3
     with Testbed(2, LinkShape(link_mbit)) as bed:
-        assert sorted(ours()) == sorted([*bed.namespaces, bed.service_namespace])
+        assert sorted(ours(os.getpid())) == sorted([*bed.namespaces, bed.service_namespace])
         results = launch_local(Layout.parse("2x1"), testbed_targets.timed_allreduce, (nbytes, repeats),
                                timeout_s=180, nodes=bed.nodes)
-    assert ours() == []
+    assert ours(os.getpid()) == []
     assert {r["ifname"] for r in results} == {"nic0"}
     assert len({r["netns"] for r in results}) == 2  # each rank in its own namespace
     assert all(r["netns"] != os.readlink("/proc/self/ns/net") for r in results)
@@ -127,7 +132,7 @@ def test_several_nics_per_node_each_its_own_shaped_rail_and_one_rate_per_node():
             assert got[f"nic{nic}"] >= nbytes and got[f"nic{1 - nic}"] < 0.01 * nbytes, (nic, got)
         fast = _send(bed, 0, 1, 1, nbytes)
         slow = _send(bed, 0, 2, 1, nbytes)  # into node 2: its host-side qdisc, 25 Mbit/s
-    assert ours() == []
+    assert ours(os.getpid()) == []
     assert fast > 0.8 * nbytes * 8 / 100e6
     assert slow > 0.8 * nbytes * 8 / 25e6
 
@@ -172,7 +177,7 @@ def test_the_testbed_touches_only_links_it_created():
     before = _host_links()
     with Testbed(2, LinkShape(100)) as bed:
         during = _host_links()
-        assert sorted(ours()) == sorted([*bed.namespaces, bed.service_namespace])
+        assert sorted(ours(os.getpid())) == sorted([*bed.namespaces, bed.service_namespace])
     after = _host_links()
     added = set(during) - set(before)
     assert added and all(name.startswith(f"hyb{os.getpid()}") for name in added), added
@@ -186,9 +191,9 @@ def test_two_testbeds_one_after_another_and_cleanup_on_error():
     for _ in range(2):
         with pytest.raises(RuntimeError, match="boom"):
             with Testbed(3, LinkShape(50)):
-                assert len(ours()) == 4  # 3 nodes and the service namespace
+                assert len(ours(os.getpid())) == 4  # 3 nodes and the service namespace
                 raise RuntimeError("boom")
-        assert ours() == []
+        assert ours(os.getpid()) == []
 
 
 @pytest.mark.testbed
@@ -201,14 +206,14 @@ def test_leftover_of_a_killed_run_is_detected_and_removed():
         stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
-        created = ours()
+        created = ours(child.pid)
         assert len(created) == 3  # 2 nodes and the service namespace
         child.kill()
         child.wait(timeout=30)
-        assert sorted(ours()) == sorted(created)
+        assert sorted(ours(child.pid)) == sorted(created)
         removed = cleanup_leftovers()
         assert sorted(set(created) & set(removed)) == sorted(created)
-        assert ours() == []
+        assert ours(child.pid) == []
     finally:
         child.kill()
         child.wait(timeout=30)  # dead before the clean-up looks: a live creator's testbed is not a leftover
@@ -233,11 +238,11 @@ def test_a_training_run_interrupted_mid_way_leaves_no_namespace(sig, tmp_path):
                 break
         # Keep draining: a full pipe would block the app's own last words and hold it past the wait below.
         threading.Thread(target=run.stdout.read, daemon=True).start()
-        assert len(ours()) == 3  # 2 nodes and the service namespace
+        assert len(ours(run.pid)) == 3  # 2 nodes and the service namespace
         run.send_signal(sig)
         run.wait(timeout=60)
         assert run.returncode != 0
-        assert ours() == []
+        assert ours(run.pid) == []
     finally:
         run.kill()
         run.wait(timeout=30)
@@ -256,7 +261,7 @@ def test_without_root_or_user_namespaces_the_testbed_says_what_it_needs(monkeypa
     assert "\n" not in reason
     with pytest.raises(testbed.TestbedError, match="needs root or unprivileged user namespaces"):
         Testbed(2, LinkShape(100)).__enter__()
-    assert ours() == []
+    assert ours(os.getpid()) == []
 
 
 @pytest.mark.unit
@@ -282,6 +287,7 @@ def test_cpu_limits_without_root_are_refused_in_one_line(monkeypatch):
 
 @pytest.mark.testbed
 @needs_testbed
+@pytest.mark.background  # mostly waits (the downed node's heartbeat, the restart)
 def test_a_node_whose_links_go_down_is_left_behind_and_the_job_finishes_on_the_other(tmp_path):
     """2x1 on the testbed with two NICs per node, node 1 at a lower rate (the trainer's own path through the
     Hydra keys), cluster.min_nnodes=1: after the step-10 checkpoint node 0's NICs go down (``ip link set nicK
@@ -311,11 +317,12 @@ def test_a_node_whose_links_go_down_is_left_behind_and_the_job_finishes_on_the_o
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["steps"] == 30 and metrics["world_size"] == 1 and metrics["param_checksums_identical"]
     assert [(m["nnodes"], m["why"]) for m in metrics["membership"]] == [(2, "start"), (1, "elastic restart 1")]
-    assert ours() == []
+    assert ours(job.proc.pid) == []
 
 
 @pytest.mark.testbed
 @needs_testbed
+@pytest.mark.background  # mostly waits (comm.timeout_s on the downed link)
 def test_in_place_a_node_whose_link_goes_down_is_left_out_within_the_timeout(tmp_path):
     """3x1 on the testbed, cluster.recovery=in_place: after step 11 node 1's NIC goes down. Nodes 0 and 2 time
     out on it (comm.timeout_s), agree without it (its heartbeat no longer reaches the store in the service
@@ -343,7 +350,7 @@ def test_in_place_a_node_whose_link_goes_down_is_left_out_within_the_timeout(tmp
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["steps"] == 16 and metrics["world_size"] == 2 and metrics["param_checksums_identical"]
     assert [(m["nnodes"], m["why"]) for m in metrics["membership"]] == [(3, "start"), (2, "in place: node(s) [1] lost")]
-    assert ours() == []
+    assert ours(job.proc.pid) == []
 
 
 # Two workers per node: with one, a step's compute (6-12 ms) is near the quota's 10 ms period and the ratio found

@@ -274,6 +274,7 @@ def test_bad_data_files_are_one_line_and_write_nothing(case, tmp_path_factory, m
 
 
 @pytest.mark.multiprocess
+@pytest.mark.background  # four small runs, mostly start-up: beside the main lane
 def test_a_sweeps_runs_are_named_by_their_overrides_in_tensorboard_and_a_resume_of_another_model_is_refused(
         tmp_path):
     """One small sweep (two layouts) serves both: its runs' names as TensorBoard's own
@@ -373,6 +374,7 @@ def test_an_earlier_run_dir_is_never_overwritten(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.background  # mostly start-up (two agents, four workers): beside the main lane
 def test_under_real_torchrun_two_agents_2x2_hierarchical(tmp_path):
     run = tmp_path / "run"
     port = free_port()

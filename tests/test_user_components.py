@@ -141,6 +141,7 @@ def test_a_bad_component_exits_2_before_anything_is_written(example):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.background  # one small run, mostly start-up: beside the main lane
 def test_the_readme_example_runs_verbatim(tmp_path):
     """The worked example's files and command (docs/your-model.md), as a reader copies them into an empty directory."""
     command = write_example(tmp_path)
@@ -205,6 +206,7 @@ batch_size: 8
 
 
 @pytest.mark.multiprocess
+@pytest.mark.background  # one small run, mostly start-up (transformers' imports): beside the main lane
 def test_a_hugging_face_model_with_its_own_loss_and_dict_inputs(tmp_path):
     """transformers' GPT2LMHeadModel named directly (its GPT2Config built by Hydra's recursive instantiate),
     fed dicts of input_ids and labels: its output's own .loss is what trains (the default cross-entropy could
