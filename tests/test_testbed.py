@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 from hybrid.core.topology import Layout
 from hybrid.runtime.launch import launch_local
 from hybrid.runtime.testbed import LinkShape, Testbed, cleanup_leftovers, nic_address, process_alive, testbed_available
+from hybrid.tools import testbed_cli
 
 from helpers import as_user, testbed_targets
 
@@ -167,6 +169,8 @@ def _host_links() -> dict[str, str]:
     out = {}
     for line in links.splitlines():
         name = line.split(":")[1].strip().split("@")[0]
+        if (maker := re.match(r"hyb(\d+)", name)) and int(maker.group(1)) != os.getpid():
+            continue  # another process's testbed (a job of the background lane), made and removed meanwhile
         out[name] = " ".join(q for q in qdiscs.splitlines() if f" dev {name} " in q + " ")
     return out
 
@@ -183,6 +187,69 @@ def test_the_testbed_touches_only_links_it_created():
     assert added and all(name.startswith(f"hyb{os.getpid()}") for name in added), added
     assert {k: during[k] for k in before} == before  # no existing link or qdisc was changed
     assert after == before
+
+
+def _rates(bed: Testbed) -> list[str]:
+    """Each link's tbf rate, host end then NIC, node by node, as tc reports it."""
+    out = []
+    for ns, host_end in zip(bed.namespaces, (f"hyb{os.getpid()}n{i}" for i in range(bed.nnodes))):
+        for where in ([], ["ip", "netns", "exec", ns]):
+            shown = subprocess.run([*where, "tc", "qdisc", "show", "dev", "nic0" if where else host_end],
+                                   capture_output=True, text=True, check=True).stdout
+            out.append(re.search(r" rate (\S+) ", shown).group(1))
+    return out
+
+
+@pytest.mark.testbed
+@needs_testbed
+def test_a_running_testbed_is_reshaped_by_its_maker_and_from_the_shell(capsys):
+    """``Testbed.reshape`` (what cluster.testbed.link_schedule calls) and ``python -m hybrid.testbed reshape``
+    (here its main, in this process, which made the testbed): tc's own report of every link changes, both ends."""
+    with Testbed(2, LinkShape(100)) as bed:
+        assert _rates(bed) == ["100Mbit"] * 4
+        bed.reshape([20, 40])
+        assert _rates(bed) == ["20Mbit", "20Mbit", "40Mbit", "40Mbit"]
+        assert testbed_cli.main(["reshape", "--pid", str(os.getpid()), "--link-mbit", "300"]) == 0
+        assert capsys.readouterr().out == f"reshaped 4 interfaces of process {os.getpid()}'s testbed to 300 Mbit/s\n"
+        assert _rates(bed) == ["300Mbit"] * 4
+        assert testbed_cli.main(["reshape", "--pid", str(os.getpid()), "--link-mbit", "1", "2", "3"]) == 2
+        assert capsys.readouterr().err == "error: 3 rates for a testbed of 2 nodes: give one, or one per node\n"
+        assert _rates(bed) == ["300Mbit"] * 4  # nothing changed
+    assert testbed_cli.main(["reshape", "--pid", str(os.getpid()), "--link-mbit", "300"]) == 2  # gone
+    assert "no testbed of process" in capsys.readouterr().err
+
+
+@pytest.mark.testbed
+@needs_testbed
+@pytest.mark.background  # mostly waits on the slow phase of its link
+def test_a_link_schedule_reshapes_the_links_between_steps_and_every_step_after_feels_it(tmp_path):
+    """2x1 at 1000 Mbit/s, 20 Mbit/s after step 4, 1000 again after step 8: steps 5-8 take several times as long
+    (846 KiB of gradients: ~0.35 s each at 20 Mbit/s), each change is logged once, in metrics.json and in
+    TensorBoard, and nothing is left."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = subprocess.Popen([sys.executable, "-m", "hybrid.train", "cluster.testbed.enabled=true",
+                            "cluster.testbed.link_mbit=1000", "cluster.nproc_per_node=1", "comm=hierarchical",
+                            "trainer.max_steps=12", "trainer.log_every=1", "model.width=256", "model.depth=4",
+                            "cluster.testbed.link_schedule=[[4,20],[8,1000]]", f"hydra.run.dir={tmp_path / 'run'}"],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = run.communicate(timeout=240)
+    assert run.returncode == 0, out[-3000:]
+    assert re.findall(r"testbed: links at .*", out) == [
+        "testbed: links at 20 Mbit/s after step 4 (cluster.testbed.link_schedule)",
+        "testbed: links at 1000 Mbit/s after step 8 (cluster.testbed.link_schedule)"]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["link_changes"] == [{"after_step": 4, "mbit": [20.0, 20.0]},
+                                       {"after_step": 8, "mbit": [1000.0, 1000.0]}]
+    events = EventAccumulator(str(tmp_path / "run" / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("testbed/link_mbit")] == [(5, 20.0), (9, 1000.0)]
+    step_s = {e.step: e.value for e in events.Scalars("train/step_time_s")}
+    slow = sorted(step_s[s] for s in (5, 6, 7, 8))[1]  # the second fastest of the slow phase
+    fast = sorted(step_s[s] for s in (2, 3, 4, 10, 11, 12))[3]  # a fast step nearer the slow end
+    assert slow > 3 * fast, step_s
+    assert slow > 0.8 * 846 * 1024 * 8 / 20e6, step_s  # at least what 20 Mbit/s allows the gradients
+    assert ours(run.pid) == []
 
 
 @pytest.mark.testbed

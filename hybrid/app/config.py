@@ -24,6 +24,7 @@ from hybrid.core.comm.options import check_comm_options, one_of
 from hybrid.core.comm.registry import CHOOSABLE
 from hybrid.core.diloco import CODECS, INTER_MODES
 from hybrid.core.topology import Layout
+from hybrid.runtime.link_schedule import LinkSchedule
 from hybrid.runtime.testbed import MAX_NICS, per_node_cpus, per_node_rates
 
 # The built-in components this module knows by their _target_: which inputs each model takes (a generated
@@ -96,6 +97,10 @@ class TestbedConfig:
     # CPUs each node may use (a cgroup's CFS quota): one number for every node or a list with one per node
     # (a node that computes slower); null: no limit.
     cpu_quota: Any = None
+    # The links' rate changing while the job runs: [[at, mbit], ...], mbit one rate or one per node, at in steps
+    # done (applied between steps, on every node at once) or, with link_schedule_unit=s, seconds since the launch.
+    link_schedule: Any = None
+    link_schedule_unit: str = "step"
 
     def rates(self, nnodes: int) -> list[float]:
         """One rate per node."""
@@ -104,6 +109,15 @@ class TestbedConfig:
     def cpus(self, nnodes: int) -> list[float] | None:
         """One CPU limit per node, or None."""
         return None if self.cpu_quota is None else per_node_cpus(self.cpu_quota, nnodes)
+
+    def schedule(self, nnodes: int) -> LinkSchedule | None:
+        """The link schedule, checked, or None."""
+        if self.link_schedule is None:
+            return None
+        entries = self.link_schedule
+        if not isinstance(entries, (list, tuple)) or not entries:
+            raise ValueError(f"cluster.testbed.link_schedule={entries!r} must be a non-empty list of [at, mbit]")
+        return LinkSchedule.parse(entries, self.link_schedule_unit, nnodes)
 
 
 @dataclass
@@ -538,6 +552,10 @@ def _validate_cluster(c: ClusterConfig) -> None:
         c.testbed.cpus(c.nnodes)
     except ValueError as exc:
         raise ValueError(f"cluster.testbed.cpu_quota={exc}") from None
+    c.testbed.schedule(c.nnodes)
+    if c.testbed.link_schedule is not None and not c.testbed.enabled:
+        raise ValueError("cluster.testbed.link_schedule needs cluster.testbed.enabled=true: it reshapes the "
+                         "testbed's links")
 
 
 def check_pairing(model_target: Any, data_target: Any, data_kind: Any) -> None:

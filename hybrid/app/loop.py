@@ -31,9 +31,12 @@ from hybrid.app.targets import Component
 from hybrid.core.comm import Communicator, PhaseCounters
 from hybrid.core.node_sharded_optimizer import NodeShardedOptimizer, optimizer_state_bytes
 from hybrid.core.topology import Topology
+from hybrid.runtime.link_schedule import LinkChange, StepChanges
 from hybrid.runtime.quorum import MakeRoom
 
 __all__ = ["Checkpointer", "train_and_report", "train_loop", "train_step"]
+
+LINK_TIMEOUT_S = 60.0  # how long rank 0 waits for the launcher to reshape the testbed's links
 
 
 def train_step(replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: Any, trainer: TrainerConfig,
@@ -114,18 +117,22 @@ class Checkpointer:
 def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: Any,
                stream: BatchStream, processor: MetricsProcessor, checkpointer: Checkpointer, start_step: int,
                grads_as_bucket_views: bool, device: torch.device, progress: Progress | None = None,
-               stop: SignalStop | None = None, room_after: Callable[[], int | None] | None = None) -> int:
+               stop: SignalStop | None = None, room_after: Callable[[], int | None] | None = None,
+               before_step: Callable[[int], None] | None = None) -> int:
     """Steps ``start_step`` .. the last one (``max_steps``, or ``stop_after`` steps on); checks replicas and
     writes checkpoints on schedule and at the end. Returns the last step. ``progress``: kept up to date after
     every step. ``stop``: Slurm's warning before the end; raises :class:`Preempted` after the agreed step's
     checkpoint. ``room_after``: recovery in place's step to stop after for a joining node (every worker the
-    same); raises :class:`MakeRoom` there, between steps, where no collective is in flight."""
+    same); raises :class:`MakeRoom` there, between steps, where no collective is in flight. ``before_step``:
+    called with the steps done ahead of each step, on every rank (the testbed's link schedule)."""
     last = trainer.max_steps if not trainer.stop_after else min(trainer.max_steps, start_step + trainer.stop_after)
     recorder = processor.recorder
     progress = progress if progress is not None else Progress()
     progress.step, progress.data = start_step, stream.state()
     for step in range(start_step, last):
         done = step + 1
+        if before_step is not None:
+            before_step(step)
         processor.step_begin(done)
         started = time.perf_counter()
         loss = train_step(replicas, optimizer, scheduler, trainer, grads_as_bucket_views, step, processor)
@@ -160,13 +167,15 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
     """What both modes do once their replicas are built: train from ``run.start_step`` with checkpoints and
     logging, then gather the run's result (rank 0 returns it and writes metrics.json; the others None)."""
     processor = MetricsProcessor(cfg, topology, metrics, counters, comm, run.membership, run_path)
+    links = _link_changes(cfg, run_path, rank, metrics)
     checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, run.layout, run.membership, rank, feedback, run.state)
     try:
         last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor, checkpointer,
                           run.start_step, cfg.comm.grad_as_bucket_view, device, run.progress,
                           # DiLoCo's nodes meet only every sync_every steps: they may be further apart than the
                           # agreement's margin, so such a job resumes from its last periodic checkpoint instead.
-                          SignalStop.for_slurm() if cfg.comm.algorithm != DILOCO else None, run.room_after)
+                          SignalStop.for_slurm() if cfg.comm.algorithm != DILOCO else None, run.room_after,
+                          links.before if links is not None else None)
     except Preempted as stopped:  # not the run's end: the requeued job continues from the checkpoint
         metrics.status(str(stopped))
         return {"preempted_after": stopped.step} if rank == 0 else None
@@ -174,5 +183,34 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
     extra = summary() if summary is not None else {}
     if isinstance(run.optimizer, NodeShardedOptimizer):  # 0: the shard followed DDP's settled buckets throughout
         extra["optimizer_relayouts"] = run.optimizer.relayouts
+    if links is not None:
+        extra["link_changes"] = links.applied
     return processor.finish(replicas.local_models(), replicas.module, last, device, run_path, rank,
                             replicas.shard_index, extra, optimizer_state_bytes(run.optimizer))
+
+
+class _LoggedStepChanges(StepChanges):
+    """A schedule in steps, with each change in TensorBoard (``testbed/link_mbit``: the slowest node's rate)."""
+
+    def __init__(self, metrics: Metrics, *args: Any) -> None:
+        super().__init__(*args)
+        self.metrics = metrics
+
+    def before(self, done: int) -> LinkChange | None:
+        change = super().before(done)
+        if change is not None and self.rank == 0:
+            self.metrics.scalars(done + 1, {"testbed/link_mbit": min(change.mbit)})
+        return change
+
+
+def _link_changes(cfg: TrainConfig, run_path: Path, rank: int, metrics: Metrics) -> StepChanges | None:
+    """The workers' side of ``cluster.testbed.link_schedule`` in steps (the launcher applies one in seconds)."""
+    schedule = cfg.cluster.testbed.schedule(cfg.cluster.nnodes) if cfg.cluster.testbed.enabled else None
+    if schedule is None or schedule.unit != "step":
+        return None
+    return _LoggedStepChanges(metrics, schedule, run_path, rank, _barrier, LINK_TIMEOUT_S)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from hybrid.app.state.checkpoint import latest_manifest
 from hybrid.app.worker import run_worker
 from hybrid.runtime.agent import StoreLost
 from hybrid.runtime.launch import launch_local, start_agent_server
+from hybrid.runtime.link_schedule import LinkSchedule, LinkScheduler
 from hybrid.runtime.slurm import SlurmNode, in_submitit_task, slurm_restart
 from hybrid.runtime.testbed import LinkShape, Testbed
 
@@ -42,19 +44,32 @@ __all__ = ["EXIT_STORE_LOST", "launch_job", "main", "train"]
 register_resolvers()  # before Hydra resolves hydra.run.dir / hydra.sweep.subdir, which name runs with them
 
 
-def launch_job(settings: TrainConfig, entrypoint: Any, args: tuple) -> list[Any]:
+def launch_job(settings: TrainConfig, entrypoint: Any, args: tuple, run_dir: Path | None = None) -> list[Any]:
     """Launch the layout locally: on loopback, or one network namespace per node (testbed).
 
-    One process per device, or one per node with ``cluster.intra_mode=thread`` (``process_layout``)."""
+    One process per device, or one per node with ``cluster.intra_mode=thread`` (``process_layout``). With a
+    testbed link schedule, this process reshapes the links it built while the job runs, as the schedule says
+    (its requests and its lines go through ``run_dir``)."""
     c = settings.cluster
     tb = c.testbed
     if not tb.enabled:
         return launch_local(settings.process_layout, entrypoint, args, timeout_s=c.launch_timeout_s,
                             rdzv_endpoint=c.rdzv_endpoint or None, **_elastic(c))
     links = [LinkShape(rate, tb.burst_kb, tb.latency_ms) for rate in tb.rates(c.nnodes)]
-    with Testbed(c.nnodes, links, tb.nics_per_node, tb.cpus(c.nnodes)) as bed:
+    schedule = tb.schedule(c.nnodes)
+    with Testbed(c.nnodes, links, tb.nics_per_node, tb.cpus(c.nnodes)) as bed, \
+            _scheduled(schedule, bed, run_dir):
         return launch_local(settings.process_layout, entrypoint, args, timeout_s=c.launch_timeout_s,
                             nodes=bed.nodes, store_network=bed.service, **_elastic(c))
+
+
+def _scheduled(schedule: LinkSchedule | None, bed: Testbed, run_dir: Path | None) -> AbstractContextManager[Any]:
+    """The launcher's side of ``cluster.testbed.link_schedule``, or nothing."""
+    if schedule is None:
+        return nullcontext()
+    if run_dir is None:
+        raise ValueError("cluster.testbed.link_schedule needs the run's directory (the trainer's)")
+    return LinkScheduler(schedule, bed.reshape, run_dir, lambda line: say(run_dir, line))
 
 
 def _elastic(c: ClusterConfig) -> dict[str, Any]:
@@ -104,7 +119,7 @@ def _run(settings: TrainConfig, hydra_cfg: Any, run_dir: Path) -> dict[str, Any]
         if not settings.cluster.testbed.enabled:  # the agents' fork server imports torch during the checks
             start_agent_server(run_worker)
         prepare(settings)
-        result = launch_job(settings, run_worker, (settings, str(run_dir)))[0]
+        result = launch_job(settings, run_worker, (settings, str(run_dir)), run_dir)[0]
     return result
 
 

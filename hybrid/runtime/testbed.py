@@ -48,8 +48,9 @@ from typing import Callable, Sequence
 from hybrid.runtime import cpu_limit
 from hybrid.runtime.launch import NodeNetwork
 
-__all__ = ["MAX_NICS", "LinkShape", "Testbed", "TestbedError", "cleanup_leftovers", "nic_address", "nic_names", "owned_namespaces", "process_alive",
-           "per_node_cpus", "per_node_rates", "testbed_available"]
+__all__ = ["MAX_NICS", "LinkShape", "Testbed", "TestbedError", "cleanup_leftovers", "nic_address", "nic_names",
+           "owned_namespaces", "per_node_cpus", "per_node_rates", "process_alive", "reshape_running",
+           "testbed_available"]
 
 MAX_NICS = 8
 
@@ -211,6 +212,31 @@ def cleanup_leftovers() -> list[str]:
             subprocess.run(["ip", "link", "delete", name], capture_output=True, timeout=30)
             removed.append(name)
     return removed
+
+
+def reshape_running(owner: int, mbit: Sequence[float], burst_kb: float = 0.0, latency_ms: float = 50.0) -> list[str]:
+    """Reshape, from another shell, the links of the testbed that process ``owner`` built (a job's
+    ``python -m hybrid.train``): node i's NICs to ``mbit[i]`` Mbit/s (one rate: every node). As root only: a
+    testbed in a user namespace is reachable only from its maker. Returns the interfaces changed."""
+    namespaces = sorted((int(m.group(1)), name) for name, pid in owned_namespaces() if pid == owner
+                        and (m := re.fullmatch(rf"hybrid-{owner}-n(\d+)", name)))
+    if not namespaces:
+        raise TestbedError(f"no testbed of process {owner} here (ip netns list): is its job running, as root?")
+    rates = list(mbit) * len(namespaces) if len(mbit) == 1 else list(mbit)
+    if len(rates) != len(namespaces):
+        raise TestbedError(f"{len(mbit)} rates for a testbed of {len(namespaces)} nodes: give one, or one per node")
+    host_ends = [line.split(":")[1].strip().split("@")[0] for line in _run("ip", "-o", "link", "show").splitlines()]
+    changed = []
+    for (i, ns), rate in zip(namespaces, rates):
+        link = LinkShape(rate, burst_kb, latency_ms)
+        for host_end in (h for h in host_ends if re.fullmatch(rf"hyb{owner}n{i}[a-z]?", h)):
+            _run("tc", "qdisc", "change", "dev", host_end, "root", *link.tbf_args())
+            changed.append(host_end)
+        nics = [line.split(":")[1].strip().split("@")[0] for line in _run("ip", "-n", ns, "-o", "link", "show").splitlines()]
+        for nic in (n for n in nics if re.fullmatch(r"nic\d+", n)):
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "change", "dev", nic, "root", *link.tbf_args())
+            changed.append(f"{ns}/{nic}")
+    return changed
 
 
 @dataclass(frozen=True)
@@ -394,6 +420,18 @@ class Testbed:
                 self._run("tc", "qdisc", "add", "dev", host_end, "root", *link.tbf_args())
                 self._run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", nic, "root", *link.tbf_args())
         self._create_service(names)
+
+    def reshape(self, mbit: Sequence[float]) -> None:
+        """Give node i's NICs ``mbit[i]`` Mbit/s, both ways, while a job runs on them (``tc qdisc change``: the
+        shaper's rate changes in place, no connection drops). Burst and queue limit stay as built."""
+        if len(mbit) != self.nnodes:
+            raise ValueError(f"reshape: {len(mbit)} rates for {self.nnodes} nodes: give one per node")
+        links = [LinkShape(rate, link.burst_kb, link.latency_ms) for rate, link in zip(mbit, self.links)]
+        for ns, host_ends, link in zip(self.namespaces, self._host_ends, links):
+            for nic, host_end in zip(nic_names(self.nics_per_node), host_ends):
+                self._run("tc", "qdisc", "change", "dev", host_end, "root", *link.tbf_args())
+                self._run("ip", "netns", "exec", ns, "tc", "qdisc", "change", "dev", nic, "root", *link.tbf_args())
+        self.links = links
 
     def _create_service(self, names: dict[str, str]) -> None:
         """The service namespace: one unshaped NIC on the switch at SERVICE_ADDRESS."""

@@ -116,7 +116,7 @@ def _one_run(settings: Any) -> dict[str, Any]:
     from hybrid.app.worker import run_worker
 
     with tempfile.TemporaryDirectory(prefix="hybrid-bench-train-") as run_dir:
-        result = launch_job(settings, run_worker, (settings, run_dir))[0]
+        result = launch_job(settings, run_worker, (settings, run_dir), Path(run_dir))[0]
     if not result.get("param_checksums_identical"):
         raise RuntimeError(f"comm={settings.comm.algorithm}: replicas diverged (parameter checksums differ)")
     # comm=diloco's steps are not alike: one in sync_every carries the exchange among nodes, which a median

@@ -1,4 +1,5 @@
-"""``python -m hybrid.testbed slurm up|down|status``: a real Slurm cluster on the network testbed, from the shell.
+"""``python -m hybrid.testbed slurm up|down|status``: a real Slurm cluster on the network testbed, from the shell;
+``python -m hybrid.testbed reshape``: a running job's links at another rate.
 
 ``slurm up --nodes N`` builds :class:`hybrid.runtime.slurm_cluster.SlurmCluster` in a process of its own
 (the cluster's holder, detached from the shell: the namespaces and daemons live as long as it does), waits
@@ -45,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     for action in (up, actions.add_parser("down", help="stop everything and remove it"),
                    actions.add_parser("status", help="is one up, and where")):
         action.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"the cluster's folder ({DEFAULT_DIR})")
+    reshape = verbs.add_parser("reshape", help="change the link rates of a running job's testbed (root)",
+                               description="Change the NIC rates, both ways, of the testbed that a running "
+                               "`python -m hybrid.train cluster.testbed.enabled=true` built, while it trains.")
+    reshape.add_argument("--pid", type=int, required=True,
+                         help="the job's launcher: the process id in its namespaces' names (ip netns list: hybrid-PID-n0)")
+    reshape.add_argument("--link-mbit", type=float, nargs="+", required=True,
+                         help="Mbit/s: one rate for every node, or one per node")
     serve = actions.add_parser("serve", help=argparse.SUPPRESS)  # the holder: slurm up starts it
     serve.add_argument("--dir", type=Path, required=True)
     for name, kind in (("--nodes", int), ("--cores", int), ("--link-mbit", float), ("--cpu-quota", float)):
@@ -182,8 +190,25 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reshape(args: argparse.Namespace) -> int:
+    bad = [rate for rate in args.link_mbit if not rate > 0]
+    if bad:
+        print(f"error: --link-mbit {bad[0]:g} must be > 0 (Mbit/s)", file=sys.stderr)
+        return 2
+    try:
+        changed = testbed.reshape_running(args.pid, args.link_mbit)
+    except testbed.TestbedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"reshaped {len(changed)} interfaces of process {args.pid}'s testbed to "
+          f"{' '.join(f'{r:g}' for r in args.link_mbit)} Mbit/s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.system == "reshape":
+        return _reshape(args)
     if args.action in ("up", "serve", "down"):
         reason = slurm_missing()
         if reason:
