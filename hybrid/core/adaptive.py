@@ -1,0 +1,163 @@
+"""The choice behind adapting to a link that changes: which mode the measured link and compute make fastest.
+
+What the trainer measures between two choices (the inter-node phase's bytes and seconds, the compute seconds
+per step) goes in; out comes the mode to run until the next choice:
+
+- every step, ``hierarchical`` or ``sharded``, with the inter-node hop in fp32 or in 16 bits (half the bytes on
+  the slow link; the node's own link stays fp32);
+- ``diloco`` with a sync interval H: the nodes exchange the model's bytes once every H steps, and meanwhile
+  average inside the node only.
+
+:class:`LinkEstimate` turns the inter-node samples into a rate (a window's median: one step that waited on a
+straggler does not move it), :func:`expected_step_s` prices a mode with the alpha-beta cost model
+(:mod:`hybrid.core.costmodel`), :func:`diloco_sync_every` picks the smallest H whose exchange the link carries
+within a share of the compute, and :class:`ModeChooser` takes the most faithful mode expected within a slack of the
+fastest (DiLoCo only where every-step training would cost clearly more), with a margin and several choices
+in a row before a switch, so that noise does not make it flap. Every input must be the same on
+every rank (all-reduced measurements), so every rank switches at the same step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, replace
+
+from hybrid.core.costmodel import Level, Model, predict
+from hybrid.core.topology import Layout
+
+__all__ = ["LinkEstimate", "Mode", "ModeChooser", "diloco_sync_every", "expected_step_s", "with_link"]
+
+EVERY_STEP = ("hierarchical", "sharded")
+COMPRESSIONS = ("none", "bf16")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way to run the job: ``algorithm`` every step, or ``diloco`` syncing every ``sync_every`` steps."""
+
+    algorithm: str
+    inter_compression: str = "none"
+    sync_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in (*EVERY_STEP, "diloco"):
+            raise ValueError(f"mode algorithm {self.algorithm!r} is not one of {', '.join((*EVERY_STEP, 'diloco'))}")
+        if self.inter_compression not in COMPRESSIONS:
+            raise ValueError(f"mode inter_compression {self.inter_compression!r} is not one of {', '.join(COMPRESSIONS)}")
+        if self.sync_every < 1 or (self.algorithm != "diloco" and self.sync_every != 1):
+            raise ValueError(f"mode sync_every={self.sync_every} must be 1 every step, or >= 1 with diloco")
+
+    def __str__(self) -> str:
+        name = f"diloco H={self.sync_every}" if self.algorithm == "diloco" else self.algorithm
+        return name + ("+bf16" if self.inter_compression == "bf16" else "")
+
+    @property
+    def kind(self) -> tuple[str, str]:
+        """The mode without DiLoCo's interval: the interval follows the link, the kind is what switches."""
+        return self.algorithm, self.inter_compression
+
+
+class LinkEstimate:
+    """The inter-node link's rate, Mbit/s, from ``(bytes, seconds)`` samples of the inter-node phase: the median
+    of the last ``window`` samples of at least ``min_bytes`` (a few bytes time the latency, not the rate)."""
+
+    def __init__(self, window: int = 5, min_bytes: int = 256 * 1024) -> None:
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1")
+        self.samples: deque[float] = deque(maxlen=window)
+        self.min_bytes = min_bytes
+
+    def add(self, nbytes: float, seconds: float) -> None:
+        if nbytes >= self.min_bytes and seconds > 0:
+            self.samples.append(nbytes * 8 / seconds / 1e6)
+
+    def forget(self) -> None:
+        """Drop the samples: after a switch, the link is measured anew under the new mode."""
+        self.samples.clear()
+
+    @property
+    def mbit(self) -> float | None:
+        return statistics.median(self.samples) if self.samples else None
+
+
+def with_link(model: Model, mbit: float) -> Model:
+    """``model`` with its inter-node level at the measured rate (per NIC), its latency kept."""
+    return replace(model, inter=Level(model.inter.alpha_s, 8.0 / (mbit * 1e6)), sharded_inter=None, flat=None)
+
+
+def expected_step_s(mode: Mode, compute_s: float, model: Model, layout: Layout, grad_bytes: float,
+                    chunk_bytes: float | None = None) -> float:
+    """Seconds per step of ``mode``: the compute, plus the gradients' all-reduce every step (the inter-node hop
+    at half the bytes per value in 16 bits), or, for DiLoCo, the node's own all-reduce every step and the
+    model's bytes across nodes once every H steps."""
+    if mode.inter_compression == "bf16":
+        model = replace(model, inter=model.inter.per_byte_scaled(0.5),
+                        sharded_inter=model.sharded_inter and model.sharded_inter.per_byte_scaled(0.5))
+    if mode.algorithm != "diloco":
+        return compute_s + predict(model, mode.algorithm, layout, grad_bytes, chunk_bytes)["total"]
+    g = layout.node_sizes[0]
+    inside = predict(model, "hierarchical", Layout.uniform(1, g), grad_bytes)["total"]  # inside the node only
+    across = predict(model, "hierarchical", Layout.uniform(layout.nnodes, 1), grad_bytes)["total"]
+    return compute_s + inside + across / mode.sync_every
+
+
+def diloco_sync_every(sync_s: float, compute_s: float, choices: tuple[int, ...] = (8, 16, 32, 64, 128),
+                      share: float = 0.1) -> int:
+    """The smallest H of ``choices`` whose exchange (``sync_s`` once every H steps) costs at most ``share`` of
+    the compute per step: fewer steps apart, closer to every-step training; the largest where none does."""
+    if not choices or any(h < 1 for h in choices):
+        raise ValueError(f"choices={choices} must be sync intervals >= 1")
+    for h in sorted(choices):
+        if sync_s / h <= share * compute_s:
+            return h
+    return max(choices)
+
+
+class ModeChooser:
+    """The most faithful mode that costs little more than the fastest, kept until the link says otherwise.
+
+    ``preference`` lists the candidates' kinds most faithful first (every-step fp32 before 16 bits before
+    DiLoCo): each keeps the replicas closer to every-step training than the next. DiLoCo's interval is not part
+    of the kind: each choice prices DiLoCo at the interval the link carries then (:func:`diloco_sync_every`).
+    A mode is acceptable when it is expected within ``slack`` (relative) of the fastest; the choice is the
+    first acceptable one. Around that rule sits a margin both ways, so that a mode near the line does not
+    flap: the current mode is left only once it is more than ``slack`` + ``margin`` off the fastest or a more
+    faithful one is within ``slack`` - ``margin`` of it, at ``patience`` choices in a row."""
+
+    def __init__(self, preference: list[Mode], current: Mode, slack: float = 0.15, margin: float = 0.05,
+                 patience: int = 2) -> None:
+        kinds = [mode.kind for mode in preference]
+        if current.kind not in kinds or len(set(kinds)) != len(kinds):
+            raise ValueError(f"the current mode {current} must be one of the candidates, each kind named once")
+        if not 0 <= margin <= slack or patience < 1:
+            raise ValueError(f"margin={margin} must be in 0..slack={slack} and patience={patience} >= 1")
+        self.kinds, self.current = kinds, current
+        self.slack, self.margin, self.patience = slack, margin, patience
+        self._wanted: tuple[str, str] | None = None
+        self._times = 0
+
+    def choose(self, expected: dict[Mode, float]) -> Mode:
+        """The mode to run next, from each candidate's expected seconds per step (one mode of each kind)."""
+        by_kind = {mode.kind: (mode, seconds) for mode, seconds in expected.items()}
+        missing = [" ".join(kind) for kind in self.kinds if kind not in by_kind]
+        if missing:
+            raise ValueError(f"no expected step time for {', '.join(missing)}")
+        wanted = self._wanted_now({kind: by_kind[kind][1] for kind in self.kinds})
+        self._times = self._times + 1 if wanted == self._wanted else 1
+        self._wanted = wanted
+        kind = self.current.kind
+        if wanted != kind and self._times >= self.patience:
+            kind, self._wanted, self._times = wanted, None, 0
+        self.current = by_kind[kind][0]  # DiLoCo at the interval priced now
+        return self.current
+
+    def _wanted_now(self, seconds: dict[tuple[str, str], float]) -> tuple[str, str]:
+        fastest = min(seconds.values())
+        current = self.current.kind
+        for kind in self.kinds[:self.kinds.index(current)]:  # a more faithful mode, clearly affordable
+            if seconds[kind] <= (1 + self.slack - self.margin) * fastest:
+                return kind
+        if seconds[current] <= (1 + self.slack + self.margin) * fastest:
+            return current
+        return next(kind for kind in self.kinds if seconds[kind] <= (1 + self.slack) * fastest)
