@@ -222,16 +222,18 @@ def test_a_running_testbed_is_reshaped_by_its_maker_and_from_the_shell(capsys):
 @pytest.mark.testbed
 @needs_testbed
 @pytest.mark.background  # mostly waits on the slow phase of its link
-def test_a_link_schedule_reshapes_the_links_between_steps_and_every_step_after_feels_it(tmp_path):
+def test_a_link_schedule_reshapes_the_links_between_steps_and_the_job_measures_what_it_set(tmp_path):
     """2x1 at 1000 Mbit/s, 20 Mbit/s after step 4, 1000 again after step 8: steps 5-8 take several times as long
     (846 KiB of gradients: ~0.35 s each at 20 Mbit/s), each change is logged once, in metrics.json and in
-    TensorBoard, and nothing is left."""
+    TensorBoard, and nothing is left. comm.adapt_every=2 times the link from the job's own counters: the
+    intervals inside the slow phase measure 20 Mbit/s, the fast ones several times that."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = subprocess.Popen([sys.executable, "-m", "hybrid.train", "cluster.testbed.enabled=true",
                             "cluster.testbed.link_mbit=1000", "cluster.nproc_per_node=1", "comm=hierarchical",
                             "trainer.max_steps=12", "trainer.log_every=1", "model.width=256", "model.depth=4",
-                            "cluster.testbed.link_schedule=[[4,20],[8,1000]]", f"hydra.run.dir={tmp_path / 'run'}"],
+                            "cluster.testbed.link_schedule=[[4,20],[8,1000]]", "comm.adapt_every=2",
+                            f"hydra.run.dir={tmp_path / 'run'}"],
                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, _ = run.communicate(timeout=240)
     assert run.returncode == 0, out[-3000:]
@@ -249,6 +251,12 @@ def test_a_link_schedule_reshapes_the_links_between_steps_and_every_step_after_f
     fast = sorted(step_s[s] for s in (2, 3, 4, 10, 11, 12))[3]  # a fast step nearer the slow end
     assert slow > 3 * fast, step_s
     assert slow > 0.8 * 846 * 1024 * 8 / 20e6, step_s  # at least what 20 Mbit/s allows the gradients
+    watched = {entry["step"]: entry["interval_mbit"] for entry in metrics["link_watch"]}
+    assert sorted(watched) == [2, 4, 6, 8, 10, 12]
+    assert all(14 < watched[s] <= 21 for s in (6, 8)), watched  # tbf at 20 Mbit/s, as the counters time it
+    assert all(watched[s] > 3 * watched[8] for s in (4, 10, 12)), watched
+    assert [e.step for e in events.Scalars("adaptive/link_mbit")] == [2, 4, 6, 8, 10, 12]
+    assert re.search(r"adaptive: inter-node link ~\d+ Mbit/s after step 2; \S+.* fits it best", out), out[-3000:]
     assert ours(run.pid) == []
 
 

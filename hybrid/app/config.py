@@ -185,6 +185,8 @@ COMM_ALGORITHMS = (*CHOOSABLE, *REFERENCE_COMMS, DILOCO)
 DILOCO_KEYS = ("sync_every", "inter", "fragments", "overlap", "overlap_steps", "outer_optim")
 DEFAULT_OUTER_OPTIM = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.7, "momentum": 0.9,
                        "nesterov": True}
+# comm.adapt_every: the comms whose inter-node phase the link watch times.
+ADAPTS = ("hierarchical", "sharded")
 # comm.torch_hook: torch's own DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks), comm=ddp only.
 TORCH_HOOKS = ("none", "bf16", "fp16", "powersgd")
 
@@ -232,6 +234,9 @@ class CommConfig:
     # state, and the node gathers the updated parameters (comm sharded or hierarchical); with comm=ddp, torch's
     # ZeroRedundancyOptimizer over all ranks of the job.
     shard_optimizer: bool = False
+    # Every adapt_every steps (0: never), the inter-node link's rate as the job measures it, and the mode that
+    # would serve it best (docs/observability.md#the-link-as-the-job-sees-it); comm hierarchical or sharded.
+    adapt_every: int = 0
 
     @property
     def chunk_bytes(self) -> int:
@@ -263,6 +268,11 @@ class CommConfig:
             self._check_shard_optimizer()
         if not self.bucket_mb > 0:
             raise ValueError(f"comm.bucket_mb={self.bucket_mb} must be > 0 (MiB per DDP bucket)")
+        if isinstance(self.adapt_every, bool) or not isinstance(self.adapt_every, int) or self.adapt_every < 0:
+            raise ValueError(f"comm.adapt_every={self.adapt_every!r} must be a whole number of steps >= 0 (0: off)")
+        if self.adapt_every and self.algorithm not in ADAPTS:
+            raise ValueError(f"comm.adapt_every={self.adapt_every} times the inter-node phase of comm "
+                             f"{' or '.join(ADAPTS)}; comm={self.algorithm} has none of its own")
 
     def _check_shard_optimizer(self) -> None:
         if self.algorithm not in SHARDS_OPTIMIZER:
@@ -455,6 +465,9 @@ def validate(cfg: TrainSchema) -> TrainConfig:
         raise ValueError("cluster.recovery=in_place is not available with comm.shard_optimizer=true yet (a survivor "
                          "holds only its shard of the optimizer in memory): use cluster.recovery=restart, which "
                          "resumes from the last checkpoint")
+    if cfg.comm.adapt_every and (cfg.cluster.nnodes < 2 or cfg.cluster.intra_mode != "process"):
+        raise ValueError(f"comm.adapt_every={cfg.comm.adapt_every} measures the link between nodes in process mode: "
+                         f"cluster.nnodes={cfg.cluster.nnodes} must be >= 2 with cluster.intra_mode=process")
     if cfg.cluster.intra_mode == "thread" and cfg.comm.torch_hook != "none":
         raise ValueError(f"comm.torch_hook={cfg.comm.torch_hook} hooks torch DDP, which cluster.intra_mode=thread "
                          "does not run: use cluster.intra_mode=process")

@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 
 from hybrid.app.components.data import BatchStream
+from hybrid.app.components.models import param_bytes
 from hybrid.app.config import DILOCO, TrainConfig, TrainerConfig
+from hybrid.app.observability.link_watch import LinkWatch
 from hybrid.app.observability.metrics import Metrics
 from hybrid.app.observability.run_metrics import MetricsProcessor
 from hybrid.app.replicas.base import Replicas, StateAccess, check_replicas, grads_finite
@@ -28,6 +30,7 @@ from hybrid.app.state.in_memory import Progress, checkpoint_meta
 from hybrid.app.state.membership import RunLayout
 from hybrid.app.state.preemption import Preempted, SignalStop, mark_stopped
 from hybrid.app.targets import Component
+from hybrid.core.adaptive import Mode
 from hybrid.core.comm import Communicator, PhaseCounters
 from hybrid.core.node_sharded_optimizer import NodeShardedOptimizer, optimizer_state_bytes
 from hybrid.core.topology import Topology
@@ -168,6 +171,10 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
     logging, then gather the run's result (rank 0 returns it and writes metrics.json; the others None)."""
     processor = MetricsProcessor(cfg, topology, metrics, counters, comm, run.membership, run_path)
     links = _link_changes(cfg, run_path, rank, metrics)
+    if cfg.comm.adapt_every:
+        current = Mode(cfg.comm.algorithm, "none" if cfg.comm.inter_compression == "none" else "bf16")
+        processor.link_watch = LinkWatch(cfg.comm.adapt_every, topology.layout, param_bytes(replicas.module),
+                                         current, metrics)
     checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, run.layout, run.membership, rank, feedback, run.state)
     try:
         last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor, checkpointer,
@@ -185,6 +192,8 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
         extra["optimizer_relayouts"] = run.optimizer.relayouts
     if links is not None:
         extra["link_changes"] = links.applied
+    if processor.link_watch is not None:
+        extra["link_watch"] = processor.link_watch.history
     return processor.finish(replicas.local_models(), replicas.module, last, device, run_path, rank,
                             replicas.shard_index, extra, optimizer_state_bytes(run.optimizer))
 

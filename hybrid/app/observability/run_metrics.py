@@ -24,6 +24,7 @@ from torch import nn
 
 from hybrid.app.components.models import param_bytes
 from hybrid.app.config import TrainConfig
+from hybrid.app.observability.link_watch import LinkWatch
 from hybrid.app.observability.metrics import Metrics, hparam_value, write_json_atomic
 from hybrid.app.observability.step_accounts import StepAccounts
 from hybrid.app.observability.timeline_file import TimelineFile
@@ -134,6 +135,7 @@ class MetricsProcessor:
         self._tail_losses: deque[torch.Tensor] = deque(maxlen=TAIL_STEPS)
         self.grad_norm: torch.Tensor | None = None  # the last clipped step's global gradient norm (before clipping)
         self._logged_grad_norm: float | None = None  # its value at the last log step
+        self.link_watch: LinkWatch | None = None  # comm.adapt_every: the link's rate and the advice, every N steps
 
     def step_skipped(self, step: int) -> None:
         self.skipped += 1
@@ -161,6 +163,8 @@ class MetricsProcessor:
             self.totals[name][0] += stats.seconds
             self.totals[name][1] += stats.bytes
         self.accounts.add(done, seconds, self.recorder.end_step())
+        if self.link_watch is not None:
+            self.link_watch.step(done, phases, seconds)  # collective every comm.adapt_every steps
         if done == last and self._nic_start is not None:
             self._nic_end = [nic_tx_bytes(n) for n in self._nics]
         if done % self.cfg.trainer.log_every and done != last:
