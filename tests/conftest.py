@@ -66,9 +66,8 @@ class _FirstTiersThenBackground:
 def _skipped(item: pytest.Item) -> bool:
     """A test that pytest will skip (``skip``, or ``skipif`` with a true condition, as this suite writes them): its
     function must not run in the lane, where the skip would only hide what it did."""
-    return item.get_closest_marker("skip") is not None or any(
-        any(not isinstance(condition, str) and condition for condition in mark.args)
-        or bool(mark.kwargs.get("condition", False)) for mark in item.iter_markers("skipif"))
+    conditions = [c for mark in item.iter_markers("skipif") for c in (*mark.args, mark.kwargs.get("condition", False))]
+    return item.get_closest_marker("skip") is not None or any(not isinstance(c, str) and c for c in conditions)
 
 
 def _declare_test(item: pytest.Item) -> None:

@@ -53,39 +53,50 @@ class Links:
 def test_a_change_in_steps_is_asked_by_rank_0_applied_by_the_launcher_once_and_again_after_a_resume(tmp_path):
     schedule = LinkSchedule.parse([[2, 20], [4, 500]], "step", 2)
     links, lines, barriers = Links(), [], []
-    with LinkScheduler(schedule, links, tmp_path, lines.append):
-        rank0 = StepChanges(schedule, tmp_path, 0, lambda: barriers.append(0), timeout_s=60)
-        rank1 = StepChanges(schedule, tmp_path, 1, lambda: barriers.append(1), timeout_s=60)
+    (tmp_path / ".link_schedule").mkdir()
+    (tmp_path / ".link_schedule" / "want-9.json").write_text('{"mbit": [1, 1]}')  # an earlier launch's: dropped
+    with LinkScheduler(schedule, [1000, 1000], links, tmp_path, lines.append):
+        rank0 = StepChanges(schedule, [1000, 1000], tmp_path, 0, lambda: barriers.append(0), timeout_s=60)
+        rank1 = StepChanges(schedule, [1000, 1000], tmp_path, 1, lambda: barriers.append(1), timeout_s=60)
         for done in range(6):
             for rank in (rank0, rank1):
                 rank.before(done)
         assert links.calls == [[20.0, 20.0], [500.0, 500.0]]  # once per change, from rank 0 only
-        assert barriers == [0, 1, 0, 1]  # every rank meets after each change, and only then
+        # Every rank meets at the first step (the launch rate confirmed: nothing to reshape) and after each change.
+        assert barriers == [0, 1, 0, 1, 0, 1]
         assert rank0.applied == [{"after_step": 2, "mbit": [20.0, 20.0]}, {"after_step": 4, "mbit": [500.0, 500.0]}]
         assert rank1.applied == [] and rank1.current == (500.0, 500.0)
         assert lines == ["testbed: links at 20 Mbit/s after step 2 (cluster.testbed.link_schedule)",
                          "testbed: links at 500 Mbit/s after step 4 (cluster.testbed.link_schedule)"]
         # A resume at step 3 asks at once for the rate step 4 is due: the links as the schedule says there.
-        resumed = StepChanges(schedule, tmp_path, 0, lambda: None, timeout_s=60)
+        resumed = StepChanges(schedule, [1000, 1000], tmp_path, 0, lambda: None, timeout_s=60)
         assert resumed.before(3).mbit == (20.0, 20.0) and resumed.before(3) is None
         assert links.calls[-1] == [20.0, 20.0]
+        # An elastic restart before the first change finds the links at 20: it asks for the launch rate back.
+        restarted = StepChanges(schedule, [1000, 1000], tmp_path, 0, lambda: None, timeout_s=60)
+        assert restarted.before(0) is None and links.calls[-1] == [1000.0, 1000.0]
+        assert restarted.before(1) is None and len(links.calls) == 4
 
 
 def test_a_failed_or_unanswered_change_stops_rank_0_naming_the_step(tmp_path):
     schedule = LinkSchedule.parse([[1, 20]], "step", 1)
-    with LinkScheduler(schedule, Links(fail=True), tmp_path, lambda line: None):
+    with LinkScheduler(schedule, [1000], Links(fail=True), tmp_path, lambda line: None):
         with pytest.raises(RuntimeError, match="after step 1 failed: RuntimeError: tc: no such device"):
-            StepChanges(schedule, tmp_path, 0, lambda: None, timeout_s=60).before(1)
+            StepChanges(schedule, [1000], tmp_path, 0, lambda: None, timeout_s=60).before(1)
     # No launcher answers (it died): rank 0 gives up after its timeout instead of hanging.
     (tmp_path / "nobody").mkdir()
     with pytest.raises(RuntimeError, match=r"not reshaped to \[20.0\] Mbit/s after step 1 within 0.2 s"):
-        StepChanges(schedule, tmp_path / "nobody", 0, lambda: None, timeout_s=0.2).before(1)
+        StepChanges(schedule, [1000], tmp_path / "nobody", 0, lambda: None, timeout_s=0.2).before(1)
 
 
-def test_a_change_in_seconds_is_applied_by_the_launcher_on_its_own_clock(tmp_path):
+def test_a_change_in_seconds_is_applied_by_the_launcher_on_its_own_clock_and_a_failure_is_one_line(tmp_path):
     schedule = LinkSchedule.parse([[0, 50]], "s", 2)
     links, lines = Links(), []
-    with LinkScheduler(schedule, links, tmp_path, lines.append):
+    with LinkScheduler(schedule, [500, 500], links, tmp_path, lines.append):
         assert links.changed.wait(timeout=30)
     assert links.calls == [[50.0, 50.0]]
     assert lines == ["testbed: links at 50 Mbit/s 0 s after the launch (cluster.testbed.link_schedule)"]
+    failed, said = threading.Event(), []
+    with LinkScheduler(schedule, [500, 500], Links(fail=True), tmp_path, lambda line: (said.append(line), failed.set())):
+        assert failed.wait(timeout=30)
+    assert said == ["testbed: reshaping the links 0 s after the launch failed: RuntimeError: tc: no such device"]

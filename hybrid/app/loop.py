@@ -173,8 +173,9 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
     links = _link_changes(cfg, run_path, rank, metrics)
     if cfg.comm.adapt_every:
         current = Mode(cfg.comm.algorithm, "none" if cfg.comm.inter_compression == "none" else "bf16")
+        nics = cfg.cluster.testbed.nics_per_node if cfg.cluster.testbed.enabled else 1
         processor.link_watch = LinkWatch(cfg.comm.adapt_every, topology.layout, param_bytes(replicas.module),
-                                         current, metrics)
+                                         current, metrics, nics)
     checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, run.layout, run.membership, rank, feedback, run.state)
     try:
         last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor, checkpointer,
@@ -217,7 +218,8 @@ def _link_changes(cfg: TrainConfig, run_path: Path, rank: int, metrics: Metrics)
     schedule = cfg.cluster.testbed.schedule(cfg.cluster.nnodes) if cfg.cluster.testbed.enabled else None
     if schedule is None or schedule.unit != "step":
         return None
-    return _LoggedStepChanges(metrics, schedule, run_path, rank, _barrier, LINK_TIMEOUT_S)
+    launched = cfg.cluster.testbed.rates(cfg.cluster.nnodes)
+    return _LoggedStepChanges(metrics, schedule, launched, run_path, rank, _barrier, LINK_TIMEOUT_S)
 
 
 def _barrier() -> None:

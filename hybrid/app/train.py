@@ -69,7 +69,8 @@ def _scheduled(schedule: LinkSchedule | None, bed: Testbed, run_dir: Path | None
         return nullcontext()
     if run_dir is None:
         raise ValueError("cluster.testbed.link_schedule needs the run's directory (the trainer's)")
-    return LinkScheduler(schedule, bed.reshape, run_dir, lambda line: say(run_dir, line))
+    return LinkScheduler(schedule, [link.rate_mbit for link in bed.links], bed.reshape, run_dir,
+                         lambda line: say(run_dir, line))
 
 
 def _elastic(c: ClusterConfig) -> dict[str, Any]:

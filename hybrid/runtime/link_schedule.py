@@ -8,13 +8,15 @@ every node or one per node. Only the process that built the testbed (the launche
   the old rate (:class:`StepChanges`, in the workers; :class:`LinkScheduler`, in the launcher);
 - a change in seconds is applied by the launcher on its own clock, wherever the job is.
 
-A resumed or restarted job asks for the rate its first step is due, so the links match the schedule at any step.
+A resumed or restarted job asks for the rate its first step is due (the launch rate before the first change), so
+the links match the schedule at any step; the launcher reshapes only where the rate differs from the links' own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -86,24 +88,28 @@ def _show(value: Any) -> str:
 class StepChanges:
     """The workers' side of a schedule in steps: call :meth:`before` ahead of every step, on every rank."""
 
-    def __init__(self, schedule: LinkSchedule, run_path: Path, rank: int, barrier: Callable[[], None],
-                 timeout_s: float) -> None:
+    def __init__(self, schedule: LinkSchedule, launched: Sequence[float], run_path: Path, rank: int,
+                 barrier: Callable[[], None], timeout_s: float) -> None:
         self.schedule, self.folder, self.rank, self.barrier = schedule, run_path / REQUESTS, rank, barrier
+        self.launched = LinkChange(0.0, tuple(float(r) for r in launched))  # cluster.testbed.link_mbit
         self.timeout_s = timeout_s
-        self.current: tuple[float, ...] | None = None  # as launched: cluster.testbed.link_mbit
+        self.current: tuple[float, ...] | None = None  # unknown until the first step: a restart may find any rate
         self.applied: list[dict[str, Any]] = []  # rank 0: metrics.json's link_changes
 
     def before(self, done: int) -> LinkChange | None:
-        """With ``done`` steps done: the change that applies from the next step, once it is in place, or None."""
-        change = self.schedule.due(done)
-        if change is None or change.mbit == self.current:
+        """With ``done`` steps done: the change that applies from the next step, once it is in place, or None.
+        The first call always asks (the rate due there, the launch rate before the first change): an elastic
+        restart under the same launcher may find the links at a rate a later step had set."""
+        change = self.schedule.due(done) or self.launched
+        if change.mbit == self.current:
             return None
         if self.rank == 0:
             self._ask(done, change)
-            self.applied.append({"after_step": done, "mbit": list(change.mbit)})
+            if change is not self.launched:
+                self.applied.append({"after_step": done, "mbit": list(change.mbit)})
         self.barrier()  # every rank: nothing of the next step leaves before the links have their new rate
         self.current = change.mbit
-        return change
+        return change if change is not self.launched else None
 
     def _ask(self, done: int, change: LinkChange) -> None:
         self.folder.mkdir(exist_ok=True)
@@ -127,13 +133,16 @@ class LinkScheduler:
     """The launcher's side: a thread that applies a schedule to the links it owns, through ``reshape`` (one rate
     per node), until :meth:`stop`. ``said`` gets one line per change."""
 
-    def __init__(self, schedule: LinkSchedule, reshape: Callable[[Sequence[float]], None], run_path: Path,
-                 said: Callable[[str], None]) -> None:
+    def __init__(self, schedule: LinkSchedule, launched: Sequence[float], reshape: Callable[[Sequence[float]], None],
+                 run_path: Path, said: Callable[[str], None]) -> None:
         self.schedule, self.reshape, self.folder, self.said = schedule, reshape, run_path / REQUESTS, said
+        self.current = tuple(float(r) for r in launched)  # what the links have now
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="link-schedule", daemon=True)
 
     def __enter__(self) -> "LinkScheduler":
+        if self.folder.is_dir():  # an earlier launch's requests in the same run directory are not this one's
+            shutil.rmtree(self.folder)
         self._started = time.monotonic()
         self._thread.start()
         return self
@@ -149,7 +158,11 @@ class LinkScheduler:
                 elapsed = time.monotonic() - self._started
                 while pending and pending[0].at <= elapsed:
                     change = pending.pop(0)
-                    self._apply(change.mbit, f"{change.at:g} s after the launch")
+                    try:
+                        self._apply(change.mbit, f"{change.at:g} s after the launch")
+                    except Exception as exc:  # one line, and the schedule goes on: the next change may hold
+                        self.said(f"testbed: reshaping the links {change.at:g} s after the launch failed: "
+                                  f"{type(exc).__name__}: {exc}")
             else:
                 self._answer()
 
@@ -158,18 +171,29 @@ class LinkScheduler:
             return
         for want in sorted(self.folder.glob("want-*.json")):
             done = want.stem.removeprefix("want-")
-            error = ""
+            error, line = "", None
             try:
-                mbit = json.loads(want.read_text())["mbit"]
-                self._apply(mbit, f"after step {done}")
+                line = self._reshape(json.loads(want.read_text())["mbit"], f"after step {done}")
             except Exception as exc:  # the asking rank raises it, naming the step
                 error = f"{type(exc).__name__}: {exc}"
             want.unlink()
             answer = self.folder / f"done-{done}"
             answer.with_suffix(".tmp").write_text(error)
             os.replace(answer.with_suffix(".tmp"), answer)  # whole: the asking rank reads it as soon as it exists
+            if line is not None:
+                self.said(line)
 
     def _apply(self, mbit: Sequence[float], when: str) -> None:
-        self.reshape(mbit)
-        rates = f"{mbit[0]:g}" if len(set(mbit)) == 1 else "[" + ", ".join(f"{r:g}" for r in mbit) + "]"
-        self.said(f"testbed: links at {rates} Mbit/s {when} (cluster.testbed.link_schedule)")
+        line = self._reshape(mbit, when)
+        if line is not None:
+            self.said(line)
+
+    def _reshape(self, mbit: Sequence[float], when: str) -> str | None:
+        """Reshape where the rates differ from the links' own; the line that says so, or None."""
+        rates = tuple(float(r) for r in mbit)
+        if rates == self.current:
+            return None
+        self.reshape(rates)
+        self.current = rates
+        shown = f"{rates[0]:g}" if len(set(rates)) == 1 else "[" + ", ".join(f"{r:g}" for r in rates) + "]"
+        return f"testbed: links at {shown} Mbit/s {when} (cluster.testbed.link_schedule)"

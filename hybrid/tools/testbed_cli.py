@@ -53,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
                          help="the job's launcher: the process id in its namespaces' names (ip netns list: hybrid-PID-n0)")
     reshape.add_argument("--link-mbit", type=float, nargs="+", required=True,
                          help="Mbit/s: one rate for every node, or one per node")
+    reshape.add_argument("--burst-kb", type=float, default=0.0,
+                         help="tbf's burst, as cluster.testbed.burst_kb (0, the default: one 4 ms tick at the rate)")
+    reshape.add_argument("--latency-ms", type=float, default=50.0,
+                         help="tbf's queue limit, as cluster.testbed.latency_ms (default 50)")
     serve = actions.add_parser("serve", help=argparse.SUPPRESS)  # the holder: slurm up starts it
     serve.add_argument("--dir", type=Path, required=True)
     for name, kind in (("--nodes", int), ("--cores", int), ("--link-mbit", float), ("--cpu-quota", float)):
@@ -192,11 +196,13 @@ def _status(args: argparse.Namespace) -> int:
 
 def _reshape(args: argparse.Namespace) -> int:
     bad = [rate for rate in args.link_mbit if not rate > 0]
-    if bad:
-        print(f"error: --link-mbit {bad[0]:g} must be > 0 (Mbit/s)", file=sys.stderr)
+    if bad or args.burst_kb < 0 or not args.latency_ms > 0:
+        print(f"error: --link-mbit {bad[0]:g} must be > 0 (Mbit/s)" if bad else
+              f"error: --burst-kb {args.burst_kb:g} must be >= 0 and --latency-ms {args.latency_ms:g} > 0",
+              file=sys.stderr)
         return 2
     try:
-        changed = testbed.reshape_running(args.pid, args.link_mbit)
+        changed = testbed.reshape_running(args.pid, args.link_mbit, args.burst_kb, args.latency_ms)
     except testbed.TestbedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

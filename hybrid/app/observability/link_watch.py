@@ -5,7 +5,9 @@ seconds of the inter-node phase and of the node's own phases, and its steps' sec
 (the bytes that crossed each node's link summed over its workers, the seconds the slowest rank's: it sets
 the step's pace), so every rank reaches the same estimate and the same advice at the same step, which is what a switch between
 modes will need. The estimate is a window's median (:class:`hybrid.core.adaptive.LinkEstimate`); each mode is
-priced by the cost model at the measured rates (latency left out: the rates dominate at these sizes), and
+priced by the cost model at the measured rates (latency left out: the rates dominate at these sizes; the
+inter-node phase's seconds are the time spent waiting on it, so where a pipeline overlaps it with the node's own
+phases the rate reads high), and
 :class:`hybrid.core.adaptive.ModeChooser` advises the most faithful mode within 15% of the fastest.
 
 Logged: TensorBoard ``adaptive/link_mbit`` (the inter-node rate), ``adaptive/compute_s`` (a step's seconds less
@@ -44,8 +46,15 @@ def _tag(mode: Mode) -> str:
 class LinkWatch:
     """Collective at every ``every``-th step (:meth:`step`): every rank calls it after each step."""
 
-    def __init__(self, every: int, layout: Layout, grad_bytes: int, current: Mode, metrics: Metrics) -> None:
+    def __init__(self, every: int, layout: Layout, grad_bytes: int, current: Mode, metrics: Metrics,
+                 nics_per_node: int = 1) -> None:
+        if not layout.is_uniform:
+            raise ValueError(f"comm.adapt_every prices modes for nodes of equal size; these have "
+                             f"{list(layout.node_sizes)} workers")
         self.every, self.layout, self.grad_bytes, self.metrics = every, layout, grad_bytes, metrics
+        self.nics = nics_per_node
+        # The NICs the running mode's inter-node traffic spreads over: the leader's one, or sharded's g groups.
+        self.nics_used = min(layout.node_sizes[0], nics_per_node) if current.algorithm == "sharded" else 1
         self.inter, self.intra = LinkEstimate(), LinkEstimate()
         self.chooser = ModeChooser(list(PREFERENCE), current)
         self.advice: Mode | None = None
@@ -68,7 +77,7 @@ class LinkWatch:
         crossed = sums[:1].clone()
         dist.all_reduce(sums, op=dist.ReduceOp.MAX)  # the same figures on every rank
         dist.all_reduce(crossed)  # what the node's NIC carried: the leader's, or with sharded every worker's share
-        inter_b = float(crossed) / self.layout.nnodes
+        inter_b = float(crossed) / self.layout.nnodes / self.nics_used  # per NIC: the cost model's inter level
         _, inter_s, intra_b, intra_s, step_s, steps = sums.tolist()
         self._sums = [0.0] * 6
         self.inter.add(inter_b, inter_s)
@@ -95,7 +104,7 @@ class LinkWatch:
     def _price(self, compute_s: float) -> dict[Mode, float]:
         inter = Level(0.0, 8.0 / (self.inter.mbit * 1e6))
         intra = Level(0.0, 8.0 / (self.intra.mbit * 1e6)) if self.intra.mbit else Level(0.0, 0.0)
-        model = Model(intra=intra, inter=inter)
+        model = Model(intra=intra, inter=inter, nics_per_node=self.nics)
         across = predict(model, "hierarchical", Layout.uniform(self.layout.nnodes, 1), self.grad_bytes)["total"]
         diloco = Mode("diloco", sync_every=diloco_sync_every(across, compute_s))
         modes = [diloco if mode.algorithm == "diloco" else mode for mode in PREFERENCE]

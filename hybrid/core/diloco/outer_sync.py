@@ -312,7 +312,8 @@ class OuterSync:
         """The pseudo-gradient's norm from this rank's sum of squares: summed over the node's shares (sharded)."""
         if self.owners is None or self.groups.topology.local_world_size == 1:
             return math.sqrt(squares)
-        total = torch.tensor([squares], dtype=torch.float64)
+        # On the model's device: the node's group is NCCL's on GPUs, which takes no CPU tensor.
+        total = torch.tensor([squares], dtype=torch.float64, device=self.params[0].device)
         dist.all_reduce(total, group=self.groups.intra)
         return math.sqrt(float(total))
 
