@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import socket
 import statistics
+import time
 from collections import deque
 from typing import Any, Mapping, Sequence
 
@@ -51,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.app.observability.metrics import Metrics
-from hybrid.core.comm import PHASES
+from hybrid.core.comm import PHASES, comm_error
 from hybrid.core.timeline import COMPUTE, SEGMENTS, StepTimes
 from hybrid.core.topology import Topology
 
@@ -130,7 +131,7 @@ class StepAccounts:
                  cpus: Sequence[float] | None = None) -> None:
         """Collective (the hosts' names, once): every process builds its accounts at the same point.
         ``cpus``: per node, its CPU limit (the testbed's ``cpu_quota``), or None: no limits."""
-        self.rank, self.node = topology.rank, topology.node
+        self.topology, self.rank, self.node = topology, topology.rank, topology.node
         self.metrics, self.margin, self.warn_after = metrics, margin, warn_after
         self.hosts = _hosts(self.node)
         limits = dict(enumerate(cpus)) if cpus is not None and len(cpus) == len(self.hosts) else None
@@ -152,7 +153,11 @@ class StepAccounts:
         mine = torch.tensor(self._pending, dtype=torch.float64).reshape(-1, len(_COLUMNS))
         self._pending = []
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
+        start = time.perf_counter()
+        try:
+            dist.all_gather(gathered, mine)
+        except RuntimeError as exc:  # a peer gone, a timeout: one line that says where, as a comm phase's
+            raise comm_error("step accounts' exchange", self.topology, exc, start) from exc
         if dist.get_rank() != 0:
             return
         for rows in gathered:

@@ -12,7 +12,7 @@ This package does not import Hydra, TensorBoard or anything that touches files.
 """
 
 from hybrid.core.comm.auto import MODEL_LEVELS, AutoCommunicator, Decision, auto_group_kinds, measure_levels
-from hybrid.core.comm.base import LOW_PRECISION, SUPPORTED_DTYPES, CommError, Communicator
+from hybrid.core.comm.base import LOW_PRECISION, SUPPORTED_DTYPES, CommError, Communicator, comm_error
 from hybrid.core.comm.compression import INTER_COMPRESSIONS, InterCompressor
 from hybrid.core.comm.counters import PHASES, PhaseCounters, PhaseStats
 from hybrid.core.comm.ddp_hook import CommHookState, register_comm_hook, settle_buckets
@@ -36,6 +36,7 @@ __all__ = [
     "PHASES",
     "SUPPORTED_DTYPES",
     "CommError",
+    "comm_error",
     "CommGroups",
     "CommHookState",
     "Communicator",

@@ -37,8 +37,10 @@ from hybrid.core.comm.compression import InterCompressor
 from hybrid.core.comm.counters import PhaseCounters, allreduce_bytes, rooted_bytes
 from hybrid.core.comm.groups import CommGroups
 from hybrid.core.timeline import profiler_range
+from hybrid.core.topology import Topology
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "PIPELINE_WINDOW", "CommError", "Communicator", "LOW_PRECISION", "SUPPORTED_DTYPES"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "PIPELINE_WINDOW", "CommError", "Communicator", "LOW_PRECISION", "SUPPORTED_DTYPES",
+           "comm_error"]
 
 # Two-level algorithms cut large tensors into pieces of this size and pipeline
 # them: piece k crosses the network while piece k+1 is still being reduced
@@ -71,6 +73,14 @@ def _takes_gather(cls: type) -> bool:
 
 class CommError(RuntimeError):
     """A collective of one phase failed (peer gone, timeout); the message says where."""
+
+
+def comm_error(what: str, topo: Topology, exc: BaseException, start: float) -> CommError:
+    """The error a failed collective (``what``, begun at ``start``) raises, in one line: what, rank, node,
+    how long it waited, and the transport's first line (a peer gone, a timeout)."""
+    cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CommError(f"{what} failed on rank {topo.rank} (node {topo.node}, local rank {topo.local_rank}) after "
+                     f"{time.perf_counter() - start:.1f}s: {cause}")
 
 
 class Communicator(ABC):
@@ -298,11 +308,7 @@ class Communicator(ABC):
         name, topo = self.name, self.topology
 
         def describe(phase: str, exc: BaseException, start: float) -> CommError:
-            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            return CommError(
-                f"{name} {phase} failed on rank {topo.rank} (node {topo.node}, local rank "
-                f"{topo.local_rank}) after {time.perf_counter() - start:.1f}s: {cause}"
-            )
+            return comm_error(f"{name} {phase}", topo, exc, start)
 
         return describe
 
