@@ -31,7 +31,7 @@ from hybrid.app.state.checkpoint import checkpoint_steps, load_checkpoint
 from hybrid.app.state.in_memory import HeldState, Progress
 from hybrid.app.state.membership import RunLayout, apply_lr_policy, describe_change, history_after_resume, start_history
 from hybrid.app.targets import Component, ComponentError, current_target, first_line
-from hybrid.runtime.distributed import broadcast_from_rank0
+from hybrid.runtime.distributed import all_gather_object, broadcast_from_rank0
 from hybrid.runtime.slurm import slurm_restart
 
 __all__ = ["Training", "build_loss", "build_model", "build_training", "device_for", "load_dataset", "optimizer_sharding", "restore_training",
@@ -187,11 +187,13 @@ def _state_to_continue(trainer: TrainerConfig, run_path: Path, rank: int, metric
     if held is not None:
         return held.share(), None, "the survivors' memory", held.why
     source = resume_target(trainer.resume, run_path)
-    # After a restart by the elastic agent, continue from this run's last checkpoint if it wrote one. Rank 0
-    # owns the run dir and decides for all, every rank asking: a node that joined late starts with restart
-    # count 0 where the others have theirs.
+    # After a restart by the elastic agent, continue from this run's last checkpoint if it wrote one. Any rank's
+    # count says so: torch counts a restart only on a node whose workers failed, so a survivor whose agent
+    # restarted them for the new round (its workers still healthy), or a node that joined late, starts with
+    # count 0 where the others have theirs; rank 0 may be such a rank. Rank 0 owns the run dir and decides for all.
     # The same after Slurm requeued the job: it runs again in its own run dir (hybrid.runtime.slurm.slurm_restart).
-    elastic, requeue = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), slurm_restart()
+    counts = all_gather_object((int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), slurm_restart()))
+    elastic, requeue = max(c[0] for c in counts), max(c[1] for c in counts)
     mine = (elastic, requeue) if rank == 0 and (elastic or requeue) and checkpoint_steps(run_path / "checkpoints") \
         else (0, 0)
     elastic, requeue = broadcast_from_rank0(mine)

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from hybrid.core.topology import WorkerEnv
 
-__all__ = ["broadcast_from_rank0", "cut_connections", "free_port", "init_distributed", "listening_socket", "shutdown_distributed",
-           "socket_inodes"]
+__all__ = ["all_gather_object", "broadcast_from_rank0", "cut_connections", "free_port", "init_distributed",
+           "listening_socket", "shutdown_distributed", "socket_inodes"]
 
 
 def init_distributed(timeout_s: float = 300.0, store: Any = None, env: WorkerEnv | None = None) -> WorkerEnv:
@@ -96,6 +96,14 @@ def broadcast_from_rank0(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_gather_object(value: Any) -> list[Any]:
+    """Every rank's ``value`` (any picklable object), in rank order, on every rank. Collective over the default
+    group."""
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def shutdown_distributed() -> None:
