@@ -1,6 +1,6 @@
 """The adaptive choice (hybrid.core.adaptive): the link measured from the counters' samples, each mode priced by
 the cost model, and a chooser that switches on a real change and not on noise. The trainer's switch itself is
-not built yet (issue 43)."""
+not built yet."""
 
 from __future__ import annotations
 

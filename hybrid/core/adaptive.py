@@ -83,7 +83,8 @@ class LinkEstimate:
 
 def with_link(model: Model, mbit: float) -> Model:
     """``model`` with its inter-node level at the measured rate (per NIC), its latency kept."""
-    return replace(model, inter=Level(model.inter.alpha_s, 8.0 / (mbit * 1e6)), sharded_inter=None, flat=None)
+    return replace(model, inter=Level.from_bandwidth(model.inter.alpha_s * 1e6, mbit / 1000), sharded_inter=None,
+                   flat=None)
 
 
 def expected_step_s(mode: Mode, compute_s: float, model: Model, layout: Layout, grad_bytes: float,

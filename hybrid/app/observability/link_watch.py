@@ -3,12 +3,12 @@
 Every ``adapt_every`` steps each rank hands in what its counters measured since the last time: the bytes and
 seconds of the inter-node phase and of the node's own phases, and its steps' seconds. They are all-reduced
 (the bytes that crossed each node's link summed over its workers, the seconds the slowest rank's: it sets
-the step's pace), so every rank reaches the same estimate and the same advice at the same step, which is what a switch between
-modes will need. The estimate is a window's median (:class:`hybrid.core.adaptive.LinkEstimate`); each mode is
-priced by the cost model at the measured rates (latency left out: the rates dominate at these sizes; the
-inter-node phase's seconds are the time spent waiting on it, so where a pipeline overlaps it with the node's own
-phases the rate reads high), and
-:class:`hybrid.core.adaptive.ModeChooser` advises the most faithful mode within 15% of the fastest.
+the step's pace), so every rank reaches the same estimate and the same advice at the same step, which is what
+a switch between modes will need. The estimate is a window's median (:class:`hybrid.core.adaptive.LinkEstimate`);
+each mode is priced by the cost model at the measured rates (latency left out: the rates dominate at these
+sizes; the inter-node phase's seconds are the time spent waiting on it, so where a pipeline overlaps it with
+the node's own phases the rate reads high), and :class:`hybrid.core.adaptive.ModeChooser` advises the most
+faithful mode within 15% of the fastest.
 
 Logged: TensorBoard ``adaptive/link_mbit`` (the inter-node rate), ``adaptive/compute_s`` (a step's seconds less
 its communication), ``adaptive/expected_s/<mode>`` and ``adaptive/advice`` (the advised mode's place in
@@ -102,8 +102,8 @@ class LinkWatch:
         self.advice = advice
 
     def _price(self, compute_s: float) -> dict[Mode, float]:
-        inter = Level(0.0, 8.0 / (self.inter.mbit * 1e6))
-        intra = Level(0.0, 8.0 / (self.intra.mbit * 1e6)) if self.intra.mbit else Level(0.0, 0.0)
+        inter = Level.from_bandwidth(0.0, self.inter.mbit / 1000)
+        intra = Level.from_bandwidth(0.0, self.intra.mbit / 1000) if self.intra.mbit else Level(0.0, 0.0)
         model = Model(intra=intra, inter=inter, nics_per_node=self.nics)
         across = predict(model, "hierarchical", Layout.uniform(self.layout.nnodes, 1), self.grad_bytes)["total"]
         diloco = Mode("diloco", sync_every=diloco_sync_every(across, compute_s))
