@@ -1,6 +1,7 @@
 """The adaptive choice (hybrid.core.adaptive): the link measured from the counters' samples, each mode priced by
-the cost model, and a chooser that switches on a real change and not on noise. The trainer's switch itself is
-not built yet."""
+the cost model, a chooser that switches on a real change and not on noise, and the plan of switches at given
+steps (comm.adapt_plan). The trainer's switch is tested on the trainer's 2x2 job (tests/test_trainer.py) and on
+the testbed (tests/test_testbed.py)."""
 
 from __future__ import annotations
 
@@ -17,19 +18,22 @@ HIER, HIER_BF16, SHARDED = Mode("hierarchical"), Mode("hierarchical", "bf16"), M
 TESTBED = Model(intra=Level.from_bandwidth(50, 20.0), inter=Level.from_bandwidth(200, 0.5))
 
 
-def test_the_link_is_the_median_of_recent_samples_of_enough_bytes():
+def test_the_link_is_the_median_of_recent_samples_and_follows_a_change_at_its_second_sample():
     link = LinkEstimate(window=3, min_bytes=1000)
     assert link.mbit is None
     link.add(10_000, 10_000 * 8 / 20e6)  # 20 Mbit/s
     link.add(500, 1.0)  # too few bytes: latency, not rate
     link.add(10_000, 10_000 * 8 / 22e6)
-    link.add(10_000, 10_000 * 8 / 2e6)  # one step that waited on a straggler
-    assert link.mbit == pytest.approx(20.0)
-    for _ in range(3):
-        link.add(10_000, 10_000 * 8 / 500e6)
-    assert link.mbit == pytest.approx(500.0)  # the window forgets the old phase
+    link.add(10_000, 10_000 * 8 / 2e6)  # one step that waited on a straggler: held back
+    assert link.mbit == pytest.approx(21.0) and link.held == pytest.approx(2.0)
+    link.add(10_000, 10_000 * 8 / 24e6)  # back to normal: the straggler is dropped
+    assert link.mbit == pytest.approx(22.0) and link.held is None
+    link.add(10_000, 10_000 * 8 / 500e6)  # the link changed: one sample is not yet a change
+    assert link.mbit == pytest.approx(22.0)
+    link.add(10_000, 10_000 * 8 / 450e6)  # a second that agrees: the window starts afresh from the two
+    assert link.mbit == pytest.approx(475.0) and list(link.samples) == pytest.approx([500.0, 450.0])
     link.forget()
-    assert link.mbit is None
+    assert link.mbit is None and link.held is None
 
 
 def test_every_step_modes_are_the_cost_models_all_reduce_and_16_bits_halve_only_the_inter_node_bytes():

@@ -565,6 +565,52 @@ def test_diloco_in_its_exact_case_is_ddp_and_at_h8_keeps_nodes_in_step_and_resum
 
 
 @pytest.mark.multiprocess
+def test_adaptive_switches_where_its_plan_says_keeps_replicas_identical_and_resumes_bitwise_across_switches():
+    """comm=adaptive on 2x2 with comm.adapt_plan: hierarchical, DiLoCo (H=3), hierarchical, DiLoCo, sharded, switched
+    after steps 4, 8, 12 and 16, every step's replicas checked by the trainer (all four ranks in the every-step
+    modes: a run whose inner optimizer states were not averaged on leaving DiLoCo stops with ReplicaDivergence).
+    The second DiLoCo phase starts from the first's outer momentum (Nesterov SGD: its first outer step then moves
+    the weights by lr (1.9 m - 0.9 k), where m is the new momentum and k the kept one, not by 1.9 lr m). Stopped
+    between the two DiLoCo phases and inside the second, resumed: bitwise the straight run. An empty plan never
+    switches and is comm=hierarchical bitwise."""
+    root, results = job("2x2")
+    straight = results["adaptive-plan"]
+    assert straight["param_checksums_identical"] and straight["steps"] == 20
+    assert [(s["step"], s["from"], s["to"]) for s in straight["switches"]] == [
+        (4, "hierarchical", "diloco H=3"), (8, "diloco H=3", "hierarchical"), (12, "hierarchical", "diloco H=3"),
+        (16, "diloco H=3", "sharded")]
+    assert straight["adaptive"]["final_mode"] == "sharded"
+
+    def checkpoint(run: str, step: int) -> dict:
+        return torch.load(root / run / "checkpoints" / f"step-{step:08d}.pt", weights_only=True)
+
+    between, inside = checkpoint("adaptive-plan", 12), checkpoint("adaptive-plan", 16)
+    assert "diloco" not in between and len(inside["diloco"]["nodes"]) == 2  # DiLoCo's entries inside its phases only
+    kept = between["adaptive"]["kept"]["state"]
+    outer = inside["diloco"]["outer_shares"][0]
+    names = list(between["model"])
+    moved = 0
+    for position, index in enumerate(outer["outer"]["positions"]):
+        name, k, m = names[index], kept[position]["momentum_buffer"], outer["outer"]["state"][position]["momentum_buffer"]
+        step = between["model"][name] - outer["global"][index]
+        torch.testing.assert_close(step, 0.7 * (1.9 * m - 0.9 * k), rtol=1e-4, atol=1e-6, msg=name)
+        moved += int(not torch.allclose(step, 0.7 * 1.9 * m, rtol=1e-3, atol=1e-6))
+    assert moved == len(names)  # the kept momentum is not zero: a fresh outer optimizer would give 1.9 lr m
+    for stop in (10, 14):
+        resumed = results[f"adaptive-plan-{stop}"]
+        assert resumed["steps_run"] == 20 - stop and resumed["switches"] == straight["switches"]
+        assert resumed["param_checksum"] == straight["param_checksum"], stop
+        again = checkpoint(f"adaptive-plan-{stop}", 20)
+        final = checkpoint("adaptive-plan", 20)
+        for key in final["optimizer"]["state"]:
+            assert torch.equal(final["optimizer"]["state"][key]["momentum_buffer"],
+                               again["optimizer"]["state"][key]["momentum_buffer"]), (stop, key)
+    steady, hierarchical = model_state(root / "adaptive-none"), model_state(root / "hierarchical")
+    assert results["adaptive-none"]["switches"] == []
+    assert all(torch.equal(steady[k], hierarchical[k]) for k in hierarchical)
+
+
+@pytest.mark.multiprocess
 def test_streaming_diloco_with_overlap_and_fp8_ends_identical_and_resumes_with_an_exchange_in_flight():
     """Two fragments, each exchange in the background of the next two inner steps, fp8 pseudo-gradients, sharded:
     every step's replicas checked (each node's workers identical), one model on every rank at the end, fp8's wire

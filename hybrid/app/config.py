@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid.app.targets import Component, component_of, current_target, label_of
+from hybrid.core.adaptive import ModePlan
 from hybrid.core.comm.compression import INTER_COMPRESSIONS
 from hybrid.core.comm.options import check_comm_options, one_of
 from hybrid.core.comm.registry import CHOOSABLE
@@ -39,6 +40,7 @@ SYNTHETIC_TARGET = "hybrid.app.components.datasets.synthetic"
 TEXT_TARGET, TEXT_KIND = "hybrid.app.components.datasets.text", "tokens"
 
 __all__ = [
+    "ADAPTIVE",
     "COMM_ALGORITHMS",
     "DEFAULT_OUTER_OPTIM",
     "DILOCO",
@@ -178,7 +180,11 @@ DILOCO = "diloco"
 # The comms comm.shard_optimizer works with: inside each node (sharded, hierarchical), or, comm=ddp, torch's own
 # ZeroRedundancyOptimizer over every rank of the job (the reference: its parameter exchange crosses nodes).
 SHARDS_OPTIMIZER = ("sharded", "hierarchical", "ddp")
-COMM_ALGORITHMS = (*CHOOSABLE, *REFERENCE_COMMS, DILOCO)
+# "adaptive" moves between every-step hierarchical or sharded and DiLoCo as the measured inter-node link changes
+# (hybrid.app.replicas.adaptive, docs/adaptive.md).
+ADAPTIVE = "adaptive"
+ADAPTIVE_MODES = ("hierarchical", "sharded", DILOCO)  # the modes comm=adaptive moves between, most faithful first
+COMM_ALGORITHMS = (*CHOOSABLE, *REFERENCE_COMMS, DILOCO, ADAPTIVE)
 # comm=diloco's outer optimizer when comm.outer_optim is not given: the paper's Nesterov SGD.
 # comm=diloco's own keys of the comm node (refused under another comm; the train benchmark passes them to its
 # DiLoCo configurations only).
@@ -186,7 +192,7 @@ DILOCO_KEYS = ("sync_every", "inter", "fragments", "overlap", "overlap_steps", "
 DEFAULT_OUTER_OPTIM = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.7, "momentum": 0.9,
                        "nesterov": True}
 # comm.adapt_every: the comms whose inter-node phase the link watch times.
-ADAPTS = ("hierarchical", "sharded")
+ADAPTS = ("hierarchical", "sharded", ADAPTIVE)
 # comm.torch_hook: torch's own DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks), comm=ddp only.
 TORCH_HOOKS = ("none", "bf16", "fp16", "powersgd")
 
@@ -237,6 +243,11 @@ class CommConfig:
     # Every adapt_every steps (0: never), the inter-node link's rate as the job measures it, and the mode that
     # would serve it best (docs/observability.md#the-link-as-the-job-sees-it); comm hierarchical or sharded.
     adapt_every: int = 0
+    # comm=adaptive only: the modes it may run, most faithful first (the first is where it starts), and a plan of
+    # switches at given steps ([[after_step, mode], ...]) that replaces the measured choice (null: measure).
+    # Its DiLoCo runs at comm.sync_every (0: the interval the measured link carries, chosen on entering it).
+    adapt_modes: Any = field(default_factory=lambda: list(ADAPTIVE_MODES))
+    adapt_plan: Any = None
 
     @property
     def chunk_bytes(self) -> int:
@@ -246,15 +257,20 @@ class CommConfig:
         # The rules hybrid.attach's options share (one wording): algorithm, backends, timeout, compression.
         check_comm_options(algorithm=self.algorithm, intra_backend=self.intra_backend,
                            inter_backend=self.inter_backend, timeout_s=self.timeout_s, chunk_bytes=self.chunk_bytes,
-                           inter_compression=None if self.algorithm == DILOCO else self.inter_compression,
+                           inter_compression=None if self.algorithm in (DILOCO, ADAPTIVE) else self.inter_compression,
                            algorithms=COMM_ALGORITHMS, prefix="comm.", algorithm_key="comm",
                            elsewhere={codec: DILOCO for codec in CODECS if codec not in INTER_COMPRESSIONS})
         if not self.pipeline_chunk_mb > 0:
             raise ValueError(f"comm.pipeline_chunk_mb={self.pipeline_chunk_mb} must be > 0")
         if self.algorithm == DILOCO:
             self._check_diloco()
+        elif self.algorithm == ADAPTIVE:
+            self._check_adaptive()
         else:
             self._refuse_diloco_keys()
+            if self.adapt_plan is not None or list(self.adapt_modes) != list(ADAPTIVE_MODES):
+                raise ValueError(f"comm.adapt_plan and comm.adapt_modes apply to comm=adaptive only; "
+                                 f"comm={self.algorithm} keeps one mode")
         one_of("comm.torch_hook", self.torch_hook, TORCH_HOOKS)
         if self.torch_hook != "none" and self.algorithm != "ddp":
             raise ValueError(f"comm.torch_hook={self.torch_hook} registers one of torch's own hooks on plain DDP; "
@@ -299,12 +315,46 @@ class CommConfig:
         if not 1 <= self.overlap_steps <= self.sync_every // self.fragments:
             raise ValueError(f"comm.overlap_steps={self.overlap_steps!r} must be in 1..{self.sync_every // self.fragments}"
                              " (comm.sync_every / comm.fragments: an exchange lands before the next one leaves)")
+        self._check_outer_optim()
+
+    def _check_outer_optim(self) -> None:
         if not isinstance(self.outer_optim, dict) or "_target_" not in self.outer_optim:
             raise ValueError(f"comm.outer_optim={self.outer_optim!r} is not a config node: give "
                              "comm.outer_optim._target_ (a torch.optim class) with _partial_: true")
         if self.outer_optim.get("_partial_") is not True:
             raise ValueError(f"comm.outer_optim._partial_={self.outer_optim.get('_partial_')!r}: the outer "
                              "optimizer is built with the global weights, so its node needs _partial_: true")
+
+    def _check_adaptive(self) -> None:
+        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 0:
+            raise ValueError(f"comm.sync_every={self.sync_every!r} must be >= 1 inner steps between DiLoCo's syncs, "
+                             "or 0: the interval the measured link carries")
+        one_of("comm.inter", self.inter, ("auto", "hierarchical"), " (comm=adaptive's DiLoCo syncs through the "
+               "node leaders, where it also probes the link)")
+        for key, allowed in (("fragments", 1), ("overlap", False), ("inter_compression", "none")):
+            if getattr(self, key) != allowed:
+                raise ValueError(f"comm.{key}={getattr(self, key)!r} is not available with comm=adaptive yet: use "
+                                 f"comm.{key}={str(allowed).lower()}")
+        modes = self.adapt_modes
+        if not isinstance(modes, (list, tuple)) or not modes or len(set(modes)) != len(modes) \
+                or any(m not in ADAPTIVE_MODES for m in modes):
+            raise ValueError(f"comm.adapt_modes={modes!r} must list some of {', '.join(ADAPTIVE_MODES)}, each once "
+                             "(most faithful first; the first is where the run starts)")
+        if self.adapt_plan is None and not self.adapt_every:
+            raise ValueError("comm=adaptive needs comm.adapt_every=N (measure the link every N steps) or "
+                             "comm.adapt_plan=[[after_step, mode], ...]")
+        for _, mode in self.plan().entries if self.adapt_plan is not None else ():
+            if mode.algorithm not in modes:
+                raise ValueError(f"comm.adapt_plan names {mode}, which is not in comm.adapt_modes={list(modes)}")
+        self._check_outer_optim()
+
+    def plan(self) -> ModePlan | None:
+        """comm.adapt_plan, checked (None: the modes follow the measured link)."""
+        if self.adapt_plan is None:
+            return None
+        if not isinstance(self.adapt_plan, (list, tuple)):
+            raise ValueError(f"comm.adapt_plan={self.adapt_plan!r} must be a list of [after_step, mode]")
+        return ModePlan(list(self.adapt_plan))
 
     def _refuse_diloco_keys(self) -> None:
         """comm=diloco's keys changed under another comm: said, not silently ignored."""

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hybrid.app.components.data import BatchStream
 from hybrid.app.components.models import param_bytes
-from hybrid.app.config import DILOCO, TrainConfig, TrainerConfig
+from hybrid.app.config import ADAPTIVE, DILOCO, TrainConfig, TrainerConfig
 from hybrid.app.observability.link_watch import LinkWatch
 from hybrid.app.observability.metrics import Metrics
 from hybrid.app.observability.run_metrics import MetricsProcessor
@@ -171,7 +171,8 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
     logging, then gather the run's result (rank 0 returns it and writes metrics.json; the others None)."""
     processor = MetricsProcessor(cfg, topology, metrics, counters, comm, run.membership, run_path)
     links = _link_changes(cfg, run_path, rank, metrics)
-    if cfg.comm.adapt_every:
+    processor.link_watch = getattr(replicas, "watch", None)  # comm=adaptive's, which it follows
+    if cfg.comm.adapt_every and processor.link_watch is None:
         current = Mode(cfg.comm.algorithm, "none" if cfg.comm.inter_compression == "none" else "bf16")
         nics = cfg.cluster.testbed.nics_per_node if cfg.cluster.testbed.enabled else 1
         processor.link_watch = LinkWatch(cfg.comm.adapt_every, topology.layout, param_bytes(replicas.module),
@@ -182,7 +183,7 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
                           run.start_step, cfg.comm.grad_as_bucket_view, device, run.progress,
                           # DiLoCo's nodes meet only every sync_every steps: they may be further apart than the
                           # agreement's margin, so such a job resumes from its last periodic checkpoint instead.
-                          SignalStop.for_slurm() if cfg.comm.algorithm != DILOCO else None, run.room_after,
+                          SignalStop.for_slurm() if cfg.comm.algorithm not in (DILOCO, ADAPTIVE) else None, run.room_after,
                           links.before if links is not None else None)
     except Preempted as stopped:  # not the run's end: the requeued job continues from the checkpoint
         metrics.status(str(stopped))

@@ -24,6 +24,7 @@ from hybrid.app.components.optim import build_optimizer, build_scheduler
 from hybrid.app.config import COMM_ALGORITHMS, CommConfig, DataConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
 from hybrid.app.observability.metrics import Metrics
 from hybrid.app.observability.run_log import describe_run
+from hybrid.app.replicas.adaptive import CHECKPOINT_KEY as ADAPTIVE_KEY
 from hybrid.app.replicas.base import SHARDED_STATE_KIND, PlainState, StateAccess
 from hybrid.app.replicas.diloco import CHECKPOINT_KEY as DILOCO_KEY
 from hybrid.app.state import error_feedback
@@ -175,7 +176,7 @@ def restore_training(trainer: TrainerConfig, model_config: Component, run_path: 
         lr = apply_lr_policy(trainer.elastic_lr, saved, now, optimizer, scheduler)
         metrics.status(describe_change(saved, now, lr))
     mine = error_feedback.restore_residuals(saved_residuals, residual_signature, metrics.status)
-    extra = {key: state[key] for key in (DILOCO_KEY,) if key in state}
+    extra = {key: state[key] for key in (DILOCO_KEY, ADAPTIVE_KEY) if key in state}
     metrics.status(f"resumed from step {start_step} of {where}")
     return start_step, mine, history, extra
 

@@ -30,11 +30,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app.components.losses import batch_loss
-from hybrid.app.config import DILOCO, IN_PLACE, TrainConfig
+from hybrid.app.components.models import param_bytes
+from hybrid.app.config import ADAPTIVE, DILOCO, IN_PLACE, TrainConfig
 from hybrid.app.loop import train_and_report
+from hybrid.app.observability.link_watch import LinkWatch
 from hybrid.app.observability.metrics import Metrics, NullMetrics, TensorBoardMetrics
 from hybrid.app.observability.run_metrics import describe_auto_calibration
-from hybrid.app.replicas import diloco
+from hybrid.app.replicas import adaptive, diloco
 from hybrid.app.replicas.base import RankReplica
 from hybrid.app.replicas.node_threads import NodeProcessCommunicator, NodeReplicas, replica_topology
 from hybrid.app.replicas.torch_hooks import register_torch_hook
@@ -179,6 +181,8 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
         return train_hsdp(cfg, topology, device, run_path, metrics, rank)
     if cfg.comm.algorithm == DILOCO:
         return train_diloco(cfg, topology, device, run_path, metrics, rank)
+    if cfg.comm.algorithm == ADAPTIVE:
+        return train_adaptive(cfg, topology, device, run_path, metrics, rank)
     run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank,
                  held=session.held if session is not None else None)
     if session is not None:
@@ -247,6 +251,40 @@ def train_diloco(cfg: TrainConfig, topology: Topology, device: torch.device, run
             replicas = diloco.DilocoReplica(ddp, run.streams[0], device, run.loss_fn, outer, topology, run.start_step,
                                             cfg.trainer.max_steps, metrics.scalars, cfg.trainer.precision,
                                             counters.recorder)
+            return train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, None)
+        finally:
+            if replicas is not None:
+                replicas.close()
+
+
+def train_adaptive(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path, metrics: Metrics,
+                   rank: int) -> dict[str, Any] | None:
+    """comm=adaptive: every-step hierarchical or sharded, or DiLoCo, as the measured link (or comm.adapt_plan)
+    calls for, switched between steps on every rank alike (:mod:`hybrid.app.replicas.adaptive`)."""
+    state = adaptive.AdaptiveState(topology)
+    run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank,
+                 state)
+    groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend, cfg.comm.timeout_s,
+                              kinds=adaptive.GROUP_KINDS)
+    counters = PhaseCounters(StepRecorder(PHASES))  # every mode's phases, and DiLoCo's exchanges
+
+    def wrap(model: torch.nn.Module, group: Any) -> DDP:
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=group,
+                   bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
+                   find_unused_parameters=cfg.comm.find_unused_parameters, **buffer_sync(model))
+
+    replicas = None
+    with _released_once_finished(groups.destroy):
+        try:
+            sample = sample_batch(run.dataset, cfg.data.batch_size, device)
+            modes = adaptive.adaptive_modes(cfg)
+            nics = cfg.cluster.testbed.nics_per_node if cfg.cluster.testbed.enabled else 1
+            watch = LinkWatch(cfg.comm.adapt_every, topology.layout, param_bytes(run.model), modes[0], metrics, nics,
+                              modes) if cfg.comm.adapt_every else None
+            replicas = state.replica = adaptive.AdaptiveReplica(cfg, topology, groups, counters, run, device, wrap,
+                                                                sample, watch, metrics.scalars, metrics.status)
+            if watch is not None:
+                watch.probe = replicas.probe  # the link between DiLoCo's syncs
             return train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, None)
         finally:
             if replicas is not None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from hybrid.core.costmodel import Level, Model, predict
 from hybrid.core.topology import Layout
 
-__all__ = ["LinkEstimate", "Mode", "ModeChooser", "diloco_sync_every", "expected_step_s", "with_link"]
+__all__ = ["LinkEstimate", "Mode", "ModeChooser", "ModePlan", "diloco_sync_every", "expected_step_s", "with_link"]
 
 EVERY_STEP = ("hierarchical", "sharded")
 COMPRESSIONS = ("none", "bf16")
@@ -53,28 +53,63 @@ class Mode:
         return name + ("+bf16" if self.inter_compression == "bf16" else "")
 
     @property
+    def name(self) -> str:
+        """What :meth:`parse` reads back (with ``sync_every`` beside it)."""
+        return self.algorithm + ("+bf16" if self.inter_compression == "bf16" else "")
+
+    @property
     def kind(self) -> tuple[str, str]:
         """The mode without DiLoCo's interval: the interval follows the link, the kind is what switches."""
         return self.algorithm, self.inter_compression
 
+    @classmethod
+    def parse(cls, text: str, sync_every: int = 1) -> Mode:
+        """``hierarchical``, ``sharded``, ``diloco`` (at ``sync_every``), each with ``+bf16`` for the 16-bit hop."""
+        algorithm, _, compression = str(text).partition("+")
+        if algorithm not in (*EVERY_STEP, "diloco") or compression not in ("", "bf16"):
+            raise ValueError(f"mode {text!r} is not one of {', '.join((*EVERY_STEP, 'diloco'))} (+bf16 for the "
+                             "16-bit inter-node hop)")
+        return cls(algorithm, compression or "none", sync_every if algorithm == "diloco" else 1)
+
 
 class LinkEstimate:
     """The inter-node link's rate, Mbit/s, from ``(bytes, seconds)`` samples of the inter-node phase: the median
-    of the last ``window`` samples of at least ``min_bytes`` (a few bytes time the latency, not the rate)."""
+    of the last ``window`` samples of at least ``min_bytes`` (a few bytes time the latency, not the rate).
 
-    def __init__(self, window: int = 5, min_bytes: int = 256 * 1024) -> None:
-        if window < 1:
-            raise ValueError(f"window={window} must be >= 1")
+    A sample more than ``jump`` times off the median is held back: alone (a step that waited on a straggler) it
+    moves nothing; followed by one that agrees with it, the link has changed, and the window starts afresh
+    from the two. A link that went from 500 to 20 Mbit/s is then known at its second sample, not once the old
+    samples are outvoted."""
+
+    def __init__(self, window: int = 5, min_bytes: int = 256 * 1024, jump: float = 3.0) -> None:
+        if window < 1 or not jump > 1:
+            raise ValueError(f"window={window} must be >= 1 and jump={jump} > 1")
         self.samples: deque[float] = deque(maxlen=window)
-        self.min_bytes = min_bytes
+        self.min_bytes, self.jump = min_bytes, jump
+        self.held: float | None = None  # a sample far off the median, waiting for a second opinion
 
     def add(self, nbytes: float, seconds: float) -> None:
-        if nbytes >= self.min_bytes and seconds > 0:
-            self.samples.append(nbytes * 8 / seconds / 1e6)
+        if nbytes < self.min_bytes or seconds <= 0:
+            return
+        rate = nbytes * 8 / seconds / 1e6
+        median = self.mbit
+        if median is None or self._near(rate, median):
+            self.held = None
+            self.samples.append(rate)
+        elif self.held is not None and self._near(rate, self.held):
+            self.samples.clear()
+            self.samples.extend((self.held, rate))
+            self.held = None
+        else:
+            self.held = rate
+
+    def _near(self, a: float, b: float) -> bool:
+        return b / self.jump <= a <= b * self.jump
 
     def forget(self) -> None:
         """Drop the samples: after a switch, the link is measured anew under the new mode."""
         self.samples.clear()
+        self.held = None
 
     @property
     def mbit(self) -> float | None:
@@ -153,6 +188,21 @@ class ModeChooser:
         self.current = by_kind[kind][0]  # DiLoCo at the interval priced now
         return self.current
 
+    def reset(self, current: Mode) -> None:
+        """The job now runs ``current`` (whatever chose it): choose on from there, with no switch pending."""
+        self.current, self._wanted, self._times = current, None, 0
+
+    def state_dict(self) -> dict:
+        """Where the chooser stands (the current mode, a switch it is waiting to confirm): a resumed run goes on
+        choosing as the straight one does."""
+        return {"current": self.current.name, "sync_every": self.current.sync_every,
+                "wanted": list(self._wanted) if self._wanted else None, "times": self._times}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.current = Mode.parse(state["current"], state["sync_every"])
+        self._wanted = tuple(state["wanted"]) if state["wanted"] else None
+        self._times = int(state["times"])
+
     def _wanted_now(self, seconds: dict[tuple[str, str], float]) -> tuple[str, str]:
         fastest = min(seconds.values())
         current = self.current.kind
@@ -162,3 +212,29 @@ class ModeChooser:
         if seconds[current] <= (1 + self.slack + self.margin) * fastest:
             return current
         return next(kind for kind in self.kinds if seconds[kind] <= (1 + self.slack) * fastest)
+
+
+class ModePlan:
+    """Switches at given steps instead of measured ones: ``[[after_step, mode], ...]`` (``comm.adapt_plan``). For
+    runs that must switch at known steps: an oracle that knows the link's schedule, tests of the switch itself."""
+
+    def __init__(self, entries: list, key: str = "comm.adapt_plan") -> None:
+        self.entries: list[tuple[int, Mode]] = []
+        for entry in entries:
+            if (not isinstance(entry, (list, tuple)) or len(entry) != 2 or isinstance(entry[0], bool)
+                    or not isinstance(entry[0], int) or entry[0] < 0):
+                raise ValueError(f"{key} entry {entry!r} must be [after_step, mode] with after_step a whole "
+                                 "number >= 0")
+            try:
+                mode = Mode.parse(entry[1])
+            except ValueError as exc:
+                raise ValueError(f"{key} entry {list(entry)!r}: {exc}") from None
+            self.entries.append((entry[0], mode))
+        steps = [at for at, _ in self.entries]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"{key}={[list(e) for e in entries]!r} must list its steps in increasing order, each once")
+
+    def due(self, done: int) -> Mode | None:
+        """The mode the plan asks for once ``done`` steps are done (None before its first entry)."""
+        due = [mode for at, mode in self.entries if at <= done]
+        return due[-1] if due else None
