@@ -5,9 +5,11 @@ the testbed (tests/test_testbed.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from hybrid.core.adaptive import LinkEstimate, Mode, ModeChooser, diloco_sync_every, expected_step_s, with_link
+from hybrid.core.adaptive import LinkEstimate, Mode, ModeChooser, ModePlan, diloco_sync_every, expected_step_s, with_link
 from hybrid.core.costmodel import Level, Model, predict
 from hybrid.core.topology import Layout
 
@@ -30,8 +32,11 @@ def test_the_link_is_the_median_of_recent_samples_and_follows_a_change_at_its_se
     assert link.mbit == pytest.approx(22.0) and link.held is None
     link.add(10_000, 10_000 * 8 / 500e6)  # the link changed: one sample is not yet a change
     assert link.mbit == pytest.approx(22.0)
-    link.add(10_000, 10_000 * 8 / 450e6)  # a second that agrees: the window starts afresh from the two
-    assert link.mbit == pytest.approx(475.0) and list(link.samples) == pytest.approx([500.0, 450.0])
+    link.add(10_000, 10_000 * 8 / 150e6)  # a second off the same side: the window starts afresh from the two
+    assert link.mbit == pytest.approx(325.0) and list(link.samples) == pytest.approx([500.0, 150.0])
+    link.add(10_000, 10_000 * 8 / 2e6)  # far below: held; then one far above again is not the same change
+    link.add(10_000, 10_000 * 8 / 2000e6)
+    assert link.held == pytest.approx(2000.0) and link.mbit == pytest.approx(325.0)
     link.forget()
     assert link.mbit is None and link.held is None
 
@@ -106,3 +111,31 @@ def test_diloco_takes_the_smallest_interval_the_link_carries_and_bad_modes_are_r
     with pytest.raises(ValueError, match="sync_every=4 must be 1 every step"):
         Mode("hierarchical", sync_every=4)
     assert [str(m) for m in (HIER_BF16, Mode("diloco", sync_every=32))] == ["hierarchical+bf16", "diloco H=32"]
+
+
+def test_a_plan_names_the_mode_due_after_each_step_and_a_bad_one_is_refused_in_one_line():
+    plan = ModePlan([[4, "diloco"], [8, "sharded+bf16"]])
+    assert [plan.due(done) for done in (0, 3, 4, 7, 8, 100)] == [
+        None, None, Mode("diloco"), Mode("diloco"), Mode("sharded", "bf16"), Mode("sharded", "bf16")]
+    assert [Mode.parse(m.name, m.sync_every) for m in (HIER_BF16, Mode("diloco", sync_every=32))] == [
+        HIER_BF16, Mode("diloco", sync_every=32)]
+    for entries, needle in (([[4, "ring"]], "entry [4, 'ring']: mode 'ring' is not one of"),
+                            ([[-1, "diloco"]], "entry [-1, 'diloco'] must be [after_step, mode]"),
+                            ([[4, "diloco"], [4, "sharded"]], "must list its steps in increasing order, each once"),
+                            ([["4", "diloco"]], "must be [after_step, mode] with after_step a whole number")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            ModePlan(entries)
+
+
+def test_a_chooser_restored_from_its_state_chooses_as_the_one_it_was_saved_from():
+    slow_h = Mode("diloco", sync_every=32)
+    diloco_fastest = {HIER: 1.0, slow_h: 0.5}
+    straight = ModeChooser([HIER, slow_h], HIER, patience=2)
+    assert straight.choose(diloco_fastest) == HIER  # once: a switch waiting to be confirmed
+    again = ModeChooser([HIER, slow_h], HIER, patience=2)
+    again.load_state_dict(straight.state_dict())
+    fresh = ModeChooser([HIER, slow_h], HIER, patience=2)
+    assert [straight.choose(diloco_fastest), again.choose(diloco_fastest), fresh.choose(diloco_fastest)] == [
+        slow_h, slow_h, HIER]  # the restored one confirms it, as the straight one does; a fresh one starts over
+    again.reset(HIER)
+    assert again.current == HIER and again.state_dict()["wanted"] is None

@@ -120,7 +120,7 @@ def test_tensorboard_names_a_single_run_by_its_comm_and_layout(default_run):
 BAD = [
     (["cluster.nnodes=0"], "cluster.nnodes=0 must be >= 1"),
     (["data.batch_size=-4"], "data.batch_size=-4 must be >= 1"),
-    (["comm=ring"], "comm='ring' is not one of auto, ddp, diloco, flat, hierarchical, hsdp, sharded"),
+    (["comm=ring"], "comm='ring' is not one of adaptive, auto, ddp, diloco, flat, hierarchical, hsdp, sharded"),
     (["model=resnet"], "model='resnet' is not one of cnn, gpt2, mlp, transformer"),
     (["data=text"], "data=text is next-byte prediction for a language model: model=mlp cannot train on it"),
     (["data=text", "model=cnn"], "data=text is next-byte prediction for a language model: model=cnn cannot train on "
@@ -158,7 +158,19 @@ BAD = [
      "cluster.testbed.link_schedule entry [4, 500]: 4 must come after the entry before it (4)"),
     (["cluster.testbed.enabled=true", "cluster.testbed.link_schedule=[[4,20]]", "cluster.testbed.link_schedule_unit=min"],
      "cluster.testbed.link_schedule_unit='min' is not one of step, s"),
-    (["comm=flat", "comm.adapt_every=5"], "comm.adapt_every=5 times the inter-node phase of comm hierarchical or sharded"),
+    (["comm=flat", "comm.adapt_every=5"], "comm.adapt_every=5 times the inter-node phase of comm hierarchical, sharded or adaptive"),
+    (["comm=adaptive", "comm.adapt_every=0"], "comm=adaptive needs comm.adapt_every=N (measure the link every N steps) "
+                                               "or comm.adapt_plan=[[after_step, mode], ...]"),
+    (["comm=adaptive", "comm.adapt_modes=[hierarchical,ring]"], "comm.adapt_modes=['hierarchical', 'ring'] must list "
+                                                                  "some of hierarchical, sharded, diloco"),
+    (["comm=adaptive", "comm.adapt_plan=[[8,ring]]"], "comm.adapt_plan entry [8, 'ring']: mode 'ring' is not one of"),
+    (["comm=adaptive", "comm.adapt_plan=[[8,diloco],[4,sharded]]"], "must list its steps in increasing order"),
+    (["comm=adaptive", "comm.adapt_modes=[hierarchical,diloco]", "comm.adapt_plan=[[4,sharded]]"],
+     "comm.adapt_plan names sharded, which is not in comm.adapt_modes=['hierarchical', 'diloco']"),
+    (["comm=adaptive", "comm.inter=sharded"], "comm.inter='sharded' is not one of auto, hierarchical (comm=adaptive's"),
+    (["comm=adaptive", "comm.fragments=2"], "comm.fragments=2 is not available with comm=adaptive yet"),
+    (["comm=hierarchical", "comm.adapt_plan=[[4,diloco]]"], "comm.adapt_plan and comm.adapt_modes apply to comm=adaptive only"),
+    (["comm=adaptive", "cluster.nnodes=1"], "must be >= 2 with cluster.intra_mode=process"),
     (["comm.adapt_every=-1"], "comm.adapt_every=-1 must be a whole number of steps >= 0 (0: off)"),
     (["cluster.nnodes=1", "comm.adapt_every=5"], "comm.adapt_every=5 measures the link between nodes in process mode"),
     (["cluster.rdzv_port=70000"], "cluster.rdzv_port=70000 must be 0 (derived from the Slurm job id) or a port, 1-65535"),

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid.app.targets import Component, component_of, current_target, label_of
-from hybrid.core.adaptive import ModePlan
+from hybrid.core.adaptive import MODE_MARGIN, ModePlan
 from hybrid.core.comm.compression import INTER_COMPRESSIONS
 from hybrid.core.comm.options import check_comm_options, one_of
 from hybrid.core.comm.registry import CHOOSABLE
@@ -247,6 +247,9 @@ class CommConfig:
     # switches at given steps ([[after_step, mode], ...]) that replaces the measured choice (null: measure).
     # Its DiLoCo runs at comm.sync_every (0: the interval the measured link carries, chosen on entering it).
     adapt_modes: Any = field(default_factory=lambda: list(ADAPTIVE_MODES))
+    # comm.adapt_every's advice (and so comm=adaptive): a less faithful mode only where it is expected
+    # 1 + adapt_slack times as fast as the most faithful (1.0: twice as fast).
+    adapt_slack: float = 1.0
     adapt_plan: Any = None
 
     @property
@@ -286,9 +289,13 @@ class CommConfig:
             raise ValueError(f"comm.bucket_mb={self.bucket_mb} must be > 0 (MiB per DDP bucket)")
         if isinstance(self.adapt_every, bool) or not isinstance(self.adapt_every, int) or self.adapt_every < 0:
             raise ValueError(f"comm.adapt_every={self.adapt_every!r} must be a whole number of steps >= 0 (0: off)")
+        if isinstance(self.adapt_slack, bool) or not isinstance(self.adapt_slack, (int, float)) \
+                or not self.adapt_slack >= MODE_MARGIN:
+            raise ValueError(f"comm.adapt_slack={self.adapt_slack!r} must be a share >= {MODE_MARGIN} (1.0: a less "
+                             "faithful mode only where it is expected twice as fast)")
         if self.adapt_every and self.algorithm not in ADAPTS:
             raise ValueError(f"comm.adapt_every={self.adapt_every} times the inter-node phase of comm "
-                             f"{' or '.join(ADAPTS)}; comm={self.algorithm} has none of its own")
+                             f"{', '.join(ADAPTS[:-1])} or {ADAPTS[-1]}; comm={self.algorithm} has none of its own")
 
     def _check_shard_optimizer(self) -> None:
         if self.algorithm not in SHARDS_OPTIMIZER:

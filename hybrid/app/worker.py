@@ -280,7 +280,7 @@ def train_adaptive(cfg: TrainConfig, topology: Topology, device: torch.device, r
             modes = adaptive.adaptive_modes(cfg)
             nics = cfg.cluster.testbed.nics_per_node if cfg.cluster.testbed.enabled else 1
             watch = LinkWatch(cfg.comm.adapt_every, topology.layout, param_bytes(run.model), modes[0], metrics, nics,
-                              modes) if cfg.comm.adapt_every else None
+                              modes, slack=cfg.comm.adapt_slack) if cfg.comm.adapt_every else None
             replicas = state.replica = adaptive.AdaptiveReplica(cfg, topology, groups, counters, run, device, wrap,
                                                                 sample, watch, metrics.scalars, metrics.status)
             if watch is not None:

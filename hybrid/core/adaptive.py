@@ -26,9 +26,11 @@ from dataclasses import dataclass, replace
 from hybrid.core.costmodel import Level, Model, predict
 from hybrid.core.topology import Layout
 
-__all__ = ["LinkEstimate", "Mode", "ModeChooser", "ModePlan", "diloco_sync_every", "expected_step_s", "with_link"]
+__all__ = ["MODE_MARGIN", "Interval", "LinkEstimate", "Mode", "ModeChooser", "ModePlan", "diloco_sync_every", "expected_step_s",
+           "measured_step_s", "with_link"]
 
 EVERY_STEP = ("hierarchical", "sharded")
+MODE_MARGIN = 0.05  # the chooser's margin both ways around its slack, so that a mode near the line does not flap
 COMPRESSIONS = ("none", "bf16")
 
 
@@ -77,8 +79,9 @@ class LinkEstimate:
     of the last ``window`` samples of at least ``min_bytes`` (a few bytes time the latency, not the rate).
 
     A sample more than ``jump`` times off the median is held back: alone (a step that waited on a straggler) it
-    moves nothing; followed by one that agrees with it, the link has changed, and the window starts afresh
-    from the two. A link that went from 500 to 20 Mbit/s is then known at its second sample, not once the old
+    moves nothing; followed by another that far off on the same side, the link has changed, and the window
+    starts afresh from the two (they need not agree with each other: a short probe of a fast link reads it
+    anywhere from half to several times its rate). A link that went from 500 to 20 Mbit/s is then known at its second sample, not once the old
     samples are outvoted."""
 
     def __init__(self, window: int = 5, min_bytes: int = 256 * 1024, jump: float = 3.0) -> None:
@@ -93,18 +96,15 @@ class LinkEstimate:
             return
         rate = nbytes * 8 / seconds / 1e6
         median = self.mbit
-        if median is None or self._near(rate, median):
+        if median is None or median / self.jump <= rate <= median * self.jump:
             self.held = None
             self.samples.append(rate)
-        elif self.held is not None and self._near(rate, self.held):
-            self.samples.clear()
+        elif self.held is not None and (self.held > median) == (rate > median):
+            self.samples.clear()  # a second sample off the same side: the link changed
             self.samples.extend((self.held, rate))
             self.held = None
         else:
             self.held = rate
-
-    def _near(self, a: float, b: float) -> bool:
-        return b / self.jump <= a <= b * self.jump
 
     def forget(self) -> None:
         """Drop the samples: after a switch, the link is measured anew under the new mode."""
@@ -138,6 +138,52 @@ def expected_step_s(mode: Mode, compute_s: float, model: Model, layout: Layout, 
     return compute_s + inside + across / mode.sync_every
 
 
+@dataclass(frozen=True)
+class Interval:
+    """What the job measured per step between two choices (the slowest rank's): the step's wall time, its
+    compute (data, forward, backward), the inter-node phase's seconds (every step; under DiLoCo its syncs and
+    probes per step) and the part of them not hidden behind backward (``inter_exposed_s``)."""
+
+    step_s: float
+    compute_s: float
+    inter_s: float
+    inter_exposed_s: float
+
+    @property
+    def hidden_s(self) -> float:
+        """The inter-node seconds that backward hid: how much of a link's time a step can absorb."""
+        return max(0.0, self.inter_s - self.inter_exposed_s)
+
+
+def measured_step_s(running: Mode, measured: Interval, candidates: list[Mode], model: Model, layout: Layout,
+                    grad_bytes: float, hidden_s: float) -> dict[Mode, float]:
+    """Seconds per step of each of ``candidates`` (DiLoCo's ``sync_every`` replaced by the interval the link
+    carries), from what ``running`` measured and ``model`` (the link at its measured rate) prices.
+
+    On a machine where the workers share cores, the cost model's serial sum of phases misprices a step: a
+    link's wait is hidden where other processes compute. So the running mode's measured step is the base,
+    and only what differs is priced: from an every-step mode, DiLoCo saves the inter-node wait the step
+    showed (``inter_exposed_s``) and adds its sync once per H steps, another every-step mode adds the cost
+    model's difference; from DiLoCo, an every-step mode drops the syncs and probes and adds its inter-node
+    all-reduce less what backward hid of it when last measured (``hidden_s``)."""
+    across = predict(model, "hierarchical", Layout.uniform(layout.nnodes, 1), grad_bytes)["total"]
+    diloco = Mode("diloco", sync_every=diloco_sync_every(across, measured.compute_s))
+    out: dict[Mode, float] = {}
+    for mode in candidates:
+        if mode.algorithm == "diloco":
+            base = measured.step_s - (measured.inter_s if running.algorithm == "diloco" else measured.inter_exposed_s)
+            out[diloco] = base + across / diloco.sync_every
+        elif running.algorithm != "diloco":
+            out[mode] = measured.step_s + (expected_step_s(mode, 0.0, model, layout, grad_bytes)
+                                           - expected_step_s(running, 0.0, model, layout, grad_bytes))
+        else:
+            comm = expected_step_s(mode, 0.0, model, layout, grad_bytes)
+            inside = expected_step_s(Mode("hierarchical"), 0.0, replace(model, inter=Level(0.0, 0.0)), layout,
+                                     grad_bytes)  # the node's own phases: DiLoCo's step has them too
+            out[mode] = measured.step_s - measured.inter_s + max(0.0, comm - inside - hidden_s)
+    return out
+
+
 def diloco_sync_every(sync_s: float, compute_s: float, choices: tuple[int, ...] = (8, 16, 32, 64, 128),
                       share: float = 0.1) -> int:
     """The smallest H of ``choices`` whose exchange (``sync_s`` once every H steps) costs at most ``share`` of
@@ -161,7 +207,7 @@ class ModeChooser:
     flap: the current mode is left only once it is more than ``slack`` + ``margin`` off the fastest or a more
     faithful one is within ``slack`` - ``margin`` of it, at ``patience`` choices in a row."""
 
-    def __init__(self, preference: list[Mode], current: Mode, slack: float = 0.15, margin: float = 0.05,
+    def __init__(self, preference: list[Mode], current: Mode, slack: float = 0.15, margin: float = MODE_MARGIN,
                  patience: int = 2) -> None:
         kinds = [mode.kind for mode in preference]
         if current.kind not in kinds or len(set(kinds)) != len(kinds):

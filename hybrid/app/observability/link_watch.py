@@ -1,22 +1,25 @@
 """``comm.adapt_every``: the inter-node link as the running job measures it, and the mode that would serve it best.
 
-Every ``adapt_every`` steps each rank hands in what its counters measured since the last time: the bytes and
-seconds of the inter-node phase and of the node's own phases, and its steps' seconds. They are all-reduced
-(the bytes that crossed each node's link summed over its workers, the seconds the slowest rank's: it sets
-the step's pace), so every rank reaches the same estimate and the same advice at the same step, which is what
-a switch between modes will need. The estimate is a window's median (:class:`hybrid.core.adaptive.LinkEstimate`);
-each mode is priced by the cost model at the measured rates (latency left out: the rates dominate at these
-sizes; the inter-node phase's seconds are the time spent waiting on it, so where a pipeline overlaps it with
-the node's own phases the rate reads high), and :class:`hybrid.core.adaptive.ModeChooser` advises the most
-faithful mode within 15% of the fastest.
+Every ``adapt_every`` steps each rank hands in what it measured since the last time: the bytes and seconds of
+the inter-node phase and of the node's own phases, its steps' seconds, their compute and the inter-node
+seconds backward did not hide. They are all-reduced (the bytes that crossed each node's link summed over its
+workers, the seconds the slowest rank's: it sets the step's pace), so every rank reaches the same estimate and
+the same advice at the same step, which is what a switch between modes needs. The link's rate is a window's
+median (:class:`hybrid.core.adaptive.LinkEstimate`); no advice is given while a sample far off it waits for a
+second opinion, nor in the interval after a switch (it holds the switch itself). Each mode's step is priced
+from the running mode's measured step and what the cost model says differs at the measured rate
+(:func:`hybrid.core.adaptive.measured_step_s`), and :class:`hybrid.core.adaptive.ModeChooser` advises the most
+faithful mode expected within ``slack`` of the fastest (``comm.adapt_slack``: a less faithful mode only where
+it is twice as fast, by default).
 
-Logged: TensorBoard ``adaptive/link_mbit`` (the inter-node rate), ``adaptive/compute_s`` (a step's seconds less
-its communication), ``adaptive/expected_s/<mode>`` and ``adaptive/advice`` (the advised mode's place in
-:data:`PREFERENCE`) and ``adaptive/diloco_sync_every``; a status line when the advised mode changes;
-metrics.json ``link_watch``: per estimate, its step, the interval's own rate, the estimate and the advice.
+Logged: TensorBoard ``adaptive/link_mbit`` (the inter-node rate), ``adaptive/compute_s`` (a step's data, forward
+and backward), ``adaptive/inter_exposed_s``, ``adaptive/expected_s/<mode>``, ``adaptive/advice`` and
+``adaptive/mode`` (the advised and the running mode's place among the candidates) and
+``adaptive/diloco_sync_every``; a status line when the advised mode changes; metrics.json ``link_watch``: per
+estimate, its step, the interval's own rate, the estimate, the step's seconds, the advice and the running mode.
 Under ``comm=adaptive`` (:mod:`hybrid.app.replicas.adaptive`) the advice is followed: the replica tells the watch
-each switch (:meth:`LinkWatch.switched`), ``adaptive/mode`` logs the mode that runs, and while DiLoCo leaves the
-link idle between its syncs the watch probes it (``probe``: a timed all-reduce among the node leaders).
+each switch (:meth:`LinkWatch.switched`), and while DiLoCo leaves the link idle between its syncs the watch
+probes it (``probe``: a timed all-reduce among the node leaders).
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 from hybrid.app.observability.metrics import Metrics
-from hybrid.core.adaptive import LinkEstimate, Mode, ModeChooser, diloco_sync_every, expected_step_s
+from hybrid.core.adaptive import Interval, LinkEstimate, Mode, ModeChooser, measured_step_s
 from hybrid.core.comm import PhaseStats
-from hybrid.core.costmodel import Level, Model, predict
+from hybrid.core.costmodel import Level, Model
+from hybrid.core.timeline import StepTimes
 from hybrid.core.topology import Layout
 
 __all__ = ["PREFERENCE", "LinkWatch"]
@@ -38,7 +42,10 @@ __all__ = ["PREFERENCE", "LinkWatch"]
 PREFERENCE = (Mode("hierarchical"), Mode("sharded"), Mode("hierarchical", "bf16"), Mode("sharded", "bf16"),
               Mode("diloco"))
 INTER = ("inter_allreduce",)
+MIN_BYTES = 64 * 1024  # an interval's bytes per NIC below this time the latency more than the rate
 INTRA = ("intra_reduce", "intra_broadcast")
+# What each rank adds up between two estimates (all-reduced: inter bytes summed, the rest the slowest rank's).
+SUMS = ("inter_bytes", "inter_s", "intra_bytes", "intra_s", "step_s", "steps", "compute_s", "inter_exposed_s")
 
 
 def _tag(mode: Mode) -> str:
@@ -50,39 +57,45 @@ class LinkWatch:
 
     def __init__(self, every: int, layout: Layout, grad_bytes: int, current: Mode, metrics: Metrics,
                  nics_per_node: int = 1, candidates: tuple[Mode, ...] = PREFERENCE,
-                 probe: Callable[[], tuple[float, float]] | None = None) -> None:
+                 probe: Callable[[], tuple[float, float]] | None = None, slack: float = 1.0) -> None:
         if not layout.is_uniform:
             raise ValueError(f"comm.adapt_every prices modes for nodes of equal size; these have "
                              f"{list(layout.node_sizes)} workers")
         self.every, self.layout, self.grad_bytes, self.metrics = every, layout, grad_bytes, metrics
         self.nics, self.candidates, self.probe = nics_per_node, tuple(candidates), probe
-        self.inter, self.intra = LinkEstimate(), LinkEstimate()
+        self.inter, self.intra = LinkEstimate(min_bytes=MIN_BYTES), LinkEstimate(min_bytes=MIN_BYTES)
         # The estimate already waits for a second sample before it follows a change: one choice is enough here.
-        self.chooser = ModeChooser(list(self.candidates), current, patience=1)
+        self.chooser = ModeChooser(list(self.candidates), current, slack=slack, patience=1)
         self.running = current
         self.advice: Mode | None = None
         self.history: list[dict[str, Any]] = []
-        # inter bytes, inter seconds, intra bytes, intra seconds, steps' seconds, steps: since the last estimate
-        self._sums = [0.0] * 6
+        self.hidden_s = 0.0  # the inter-node seconds per step backward hid, when an every-step mode last ran
+        self._skip = False  # the interval after a switch holds the switch itself: not a measurement of the mode
+        self._sums = [0.0] * len(SUMS)
 
     @property
     def nics_used(self) -> int:
         """The NICs the running mode's inter-node traffic spreads over: the leader's one, or sharded's g groups."""
         return min(self.layout.node_sizes[0], self.nics) if self.running.algorithm == "sharded" else 1
 
-    def step(self, done: int, phases: dict[str, PhaseStats], step_s: float) -> None:
-        """Account step ``done``; at every ``every``-th, estimate and advise (collective)."""
+    def step(self, done: int, phases: dict[str, PhaseStats], step_s: float, times: StepTimes | None = None) -> None:
+        """Account step ``done`` (``times``: its compute and the phases' exposed seconds, where recorded); at
+        every ``every``-th, estimate and advise (collective)."""
+        sums = self._sums
         for i, names in ((0, INTER), (2, INTRA)):
-            self._sums[i] += sum(phases[n].bytes for n in names if n in phases)
-            self._sums[i + 1] += sum(phases[n].seconds for n in names if n in phases)
-        self._sums[4] += step_s
-        self._sums[5] += 1
+            sums[i] += sum(phases[n].bytes for n in names if n in phases)
+            sums[i + 1] += sum(phases[n].seconds for n in names if n in phases)
+        sums[4] += step_s
+        sums[5] += 1
+        if times is not None:
+            sums[6] += times.compute
+            sums[7] += sum(times.exposed.get(n, 0.0) for n in INTER)
         if done % self.every == 0:
             if self.probe is not None and self.running.algorithm == "diloco":
                 nbytes, seconds = self.probe()  # the link between DiLoCo's syncs; its time counts as the step's
-                self._sums[0] += nbytes
-                self._sums[1] += seconds
-                self._sums[4] += seconds
+                sums[0] += nbytes
+                sums[1] += seconds
+                sums[4] += seconds
             self._estimate(done)
 
     def switched(self, mode: Mode) -> None:
@@ -91,6 +104,7 @@ class LinkWatch:
         self.running = self.advice = mode
         self.chooser.reset(mode)
         self.inter.forget()
+        self._skip = True
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to choose as the straight one does: samples, sums, the chooser, the advice."""
@@ -98,7 +112,7 @@ class LinkWatch:
                 "intra": [list(self.intra.samples), self.intra.held], "sums": list(self._sums),
                 "chooser": self.chooser.state_dict(), "running": [self.running.name, self.running.sync_every],
                 "advice": [self.advice.name, self.advice.sync_every] if self.advice else None,
-                "history": list(self.history)}
+                "history": list(self.history), "hidden_s": self.hidden_s, "skip": self._skip}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for estimate, (samples, held) in ((self.inter, state["inter"]), (self.intra, state["intra"])):
@@ -109,50 +123,53 @@ class LinkWatch:
         self.running = Mode.parse(*state["running"])
         self.advice = Mode.parse(*state["advice"]) if state["advice"] else None
         self.history = list(state["history"])
+        self.hidden_s, self._skip = float(state["hidden_s"]), bool(state["skip"])
 
     def _estimate(self, done: int) -> None:
         sums = torch.tensor(self._sums, dtype=torch.float64)
         crossed = sums[:1].clone()
         dist.all_reduce(sums, op=dist.ReduceOp.MAX)  # the same figures on every rank
         dist.all_reduce(crossed)  # what the node's NIC carried: the leader's, or with sharded every worker's share
+        self._sums = [0.0] * len(SUMS)
         inter_b = float(crossed) / self.layout.nnodes / self.nics_used  # per NIC: the cost model's inter level
-        _, inter_s, intra_b, intra_s, step_s, steps = sums.tolist()
-        self._sums = [0.0] * 6
+        _, inter_s, intra_b, intra_s, step_s, steps, compute_s, exposed_s = sums.tolist()
+        measured = Interval(step_s / steps, compute_s / steps, inter_s / steps, exposed_s / steps)
+        sample = inter_b * 8 / inter_s / 1e6 if inter_b >= self.inter.min_bytes and inter_s > 0 else None
+        entry = {"step": done, "interval_mbit": sample and round(sample, 3), "link_mbit": None,
+                 "step_s": round(measured.step_s, 4), "advice": None, "mode": str(self.running)}
+        self.history.append(entry)
+        if self._skip:  # the switch's own interval (DDP rebuilt, buckets settled): not a measurement of the mode
+            self._skip = False
+            return
         self.inter.add(inter_b, inter_s)
         self.intra.add(intra_b, intra_s)
-        if self.inter.mbit is None:
-            return  # too few bytes crossed nodes to time the link
-        compute_s = max(0.0, (step_s - inter_s - intra_s) / steps)
-        expected = self._price(compute_s)
+        entry["link_mbit"] = self.inter.mbit and round(self.inter.mbit, 3)
+        if self.running.algorithm != "diloco":
+            self.hidden_s = measured.hidden_s
+        if len(self.inter.samples) < 2 or self.inter.held is not None:
+            return  # too few samples to trust, or the link may have changed: the next interval will say
+        entry["advice"] = str(self._advise(done, measured))
+
+    def _advise(self, done: int, measured: Interval) -> Mode:
+        expected = measured_step_s(self.running, measured, list(self.candidates), self._model(), self.layout,
+                                   self.grad_bytes, self.hidden_s)
         advice = self.chooser.choose(expected)
         kinds = [m.kind for m in self.candidates]
-        values = {"adaptive/link_mbit": self.inter.mbit, "adaptive/compute_s": compute_s,
+        values = {"adaptive/link_mbit": self.inter.mbit, "adaptive/compute_s": measured.compute_s,
+                  "adaptive/inter_exposed_s": measured.inter_exposed_s,
                   "adaptive/advice": float(kinds.index(advice.kind)),
                   "adaptive/mode": float(kinds.index(self.running.kind)) if self.running.kind in kinds else -1.0,
-                  "adaptive/diloco_sync_every": float(diloco_sync_every(self._across(), compute_s)),
+                  "adaptive/diloco_sync_every": float(next(m.sync_every for m in expected if m.algorithm == "diloco")),
                   **{f"adaptive/expected_s/{_tag(m)}": s for m, s in expected.items()}}
         self.metrics.scalars(done, values)
-        sample = inter_b * 8 / inter_s / 1e6 if inter_s > 0 else None  # this interval's own rate
-        self.history.append({"step": done, "interval_mbit": sample and round(sample, 3),
-                             "link_mbit": round(self.inter.mbit, 3), "advice": str(advice),
-                             "mode": str(self.running)})
         if self.advice is None or advice.kind != self.advice.kind:  # DiLoCo's interval alone: TensorBoard only
             self.metrics.status(f"adaptive: inter-node link ~{self.inter.mbit:.0f} Mbit/s after step {done}; "
                                 f"{advice} fits it best ({expected[advice]:.3f} s/step expected; "
                                 + ", ".join(f"{m} {s:.3f}" for m, s in expected.items() if m != advice) + ")")
         self.advice = advice
+        return advice
 
     def _model(self) -> Model:
         inter = Level.from_bandwidth(0.0, self.inter.mbit / 1000)
         intra = Level.from_bandwidth(0.0, self.intra.mbit / 1000) if self.intra.mbit else Level(0.0, 0.0)
         return Model(intra=intra, inter=inter, nics_per_node=self.nics)
-
-    def _across(self) -> float:
-        """Seconds for the model's bytes to cross among the nodes once (DiLoCo's sync), at the measured rate."""
-        return predict(self._model(), "hierarchical", Layout.uniform(self.layout.nnodes, 1), self.grad_bytes)["total"]
-
-    def _price(self, compute_s: float) -> dict[Mode, float]:
-        model = self._model()
-        diloco = Mode("diloco", sync_every=diloco_sync_every(self._across(), compute_s))
-        modes = [diloco if mode.algorithm == "diloco" else mode for mode in self.candidates]
-        return {mode: expected_step_s(mode, compute_s, model, self.layout, self.grad_bytes) for mode in modes}

@@ -162,9 +162,10 @@ class MetricsProcessor:
         for name, stats in phases.items():
             self.totals[name][0] += stats.seconds
             self.totals[name][1] += stats.bytes
-        self.accounts.add(done, seconds, self.recorder.end_step())
+        times = self.recorder.end_step()
+        self.accounts.add(done, seconds, times)
         if self.link_watch is not None:
-            self.link_watch.step(done, phases, seconds)  # collective every comm.adapt_every steps
+            self.link_watch.step(done, phases, seconds, times)  # collective every comm.adapt_every steps
         if done == last and self._nic_start is not None:
             self._nic_end = [nic_tx_bytes(n) for n in self._nics]
         if done % self.cfg.trainer.log_every and done != last:
