@@ -205,9 +205,10 @@ def _etcd_store(nodes: Sequence[NodeNetwork], store_network: NodeNetwork | None)
     return start_etcd(store_at.address, store_at.prefix)
 
 
-# What the agents' fork server imports once, so that no agent pays it: torch, its elastic agent, our agent.
-_AGENT_PRELOAD = ["torch", "torch.distributed.launcher.api", "torch.distributed.elastic.multiprocessing.errors",
-                  "hybrid.runtime.agent"]
+# What the agents' fork server imports once, so that no agent pays it: torch, its elastic agent, our agent, and
+# what the agent imports before forking its workers (hybrid.runtime.agent.BEFORE_FORK).
+_AGENT_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.launcher.api",
+                  "torch.distributed.elastic.multiprocessing.errors", "hybrid.runtime.agent"]
 
 
 class _ForkedAgent:
