@@ -243,7 +243,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
     out = hybrid_train("comm=ring", cwd=tmp_path, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "error: comm='ring' is not one of auto, ddp, diloco, flat, hierarchical, hsdp, sharded"]
+        "error: comm='ring' is not one of adaptive, auto, ddp, diloco, flat, hierarchical, hsdp, sharded"]
     assert time.monotonic() - start < 30
     assert list(tmp_path.iterdir()) == []
 
@@ -354,9 +354,9 @@ def test_a_sweeps_runs_are_named_by_their_overrides_in_tensorboard_and_a_resume_
 def test_help_lists_the_config_groups(tmp_path):
     out = hybrid_train("--help", cwd=tmp_path, timeout=60)
     assert out.returncode == 0
-    for line in ("cluster: 1x2, 1x4, 2x1, 2x2, 2x4, 4x1, 4x2, local", "comm: auto, ddp, diloco, flat, hierarchical, hsdp, sharded",
+    for line in ("cluster: 1x2, 1x4, 2x1, 2x2, 2x4, 4x1, 4x2, local", "comm: adaptive, auto, ddp, diloco, flat, hierarchical, hsdp, sharded",
                  "model: cnn, gpt2, mlp, transformer", "data: files, synthetic, text", "optim: adamw, sgd", "trainer: default",
-                 "experiment: auto_vs_fixed, diloco, flat_vs_hier, flat_vs_hier_small"):
+                 "experiment: adaptive, auto_vs_fixed, diloco, flat_vs_hier, flat_vs_hier_small"):
         assert line in out.stdout
     # It opens with what hybrid is, not Hydra's stock header, and says where the docs are.
     assert out.stdout.startswith("hybrid: data-parallel PyTorch training"), out.stdout[:200]

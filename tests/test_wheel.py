@@ -85,7 +85,7 @@ def test_the_console_script_shows_the_config_groups(installed):
     out = subprocess.run([str(python.parent / "hybrid-train"), "--help"], cwd=workdir, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "comm: auto, ddp, diloco, flat, hierarchical, hsdp, sharded" in out.stdout
+    assert "comm: adaptive, auto, ddp, diloco, flat, hierarchical, hsdp, sharded" in out.stdout
 
 
 def test_a_sweep_and_a_users_config_dir_work_from_anywhere(installed):
