@@ -24,7 +24,7 @@ PLANS: dict[str, tuple[list[str], dict]] = {
     "1x1": (["collectives", "counters"], {}),
     "1x4": (["collectives", "counters"], {}),
     "2x2": (
-        ["collectives", "counters", "bad_layout", "ddp", "ddp_long", "overlap", "compression", "auto",
+        ["collectives", "counters", "bad_layout", "ddp", "ddp_long", "overlap", "compression", "guard", "auto",
          "clock", "profiler", "diloco", "zero", "timeout"],
         {"ddp": PARITY, "ddp_long": {**LONG, "comms": ["flat", "hierarchical", "sharded"]},
          "timeout": {"comm_timeout_s": 4.0}},
@@ -308,3 +308,20 @@ def test_a_node_sharded_optimizer_steps_like_torch_ddp_with_the_optimizer_it_wra
             assert run["ddp_state_bytes"] / local <= run["state_bytes"] <= 1.15 * run["ddp_state_bytes"] / local
     for name in results[0]["zero"]:
         assert len({r["zero"][name].get("params") for r in results}) == 1, name  # every rank's weights alike
+
+
+def test_the_compression_guard_checks_the_16_bit_hop_and_falls_back_to_full_precision_where_it_is_off():
+    """2x2, fp16 on the inter-node hop (tests/helpers/workers.py case_guard): every rank that crosses nodes
+    checks alike; ordinary values stay within fp16's rounding and keep compressing; values beyond fp16's range
+    read an infinite error, fall back on every such rank at once, and then travel as the uncompressed comm's."""
+    for r in job("2x2"):
+        for alg in ("hierarchical", "sharded"):
+            got = r["guard"][alg]
+            if alg == "hierarchical" and not r["guard"]["crosses"]:
+                assert got["checks"] == [] and not got["overflow_fell_back"], (r["rank"], got)  # never crosses
+                continue
+            assert len(got["checks"]) == 2 and all(0 < e < 0.01 for e in got["checks"]), (r["rank"], alg, got)
+            assert not got["fell_back"], (r["rank"], alg, got)
+            assert got["overflow_checks"] == [float("inf")] and got["overflow_fell_back"], (r["rank"], alg, got)
+            assert got["then_uncompressed"], (r["rank"], alg)
+

@@ -117,3 +117,24 @@ def test_residuals_return_to_their_rank_only_into_a_run_of_the_same_signature():
         assert "the checkpoint has none" in log[1]
     finally:
         dist.destroy_process_group()
+
+
+def test_the_guard_checks_one_slice_every_k_uses_and_its_place_travels_through_a_state_dict():
+    c = InterCompressor("bf16")
+    c.guard(3, 0.05)
+    due = []
+    for _ in range(6):
+        for key in ("a", "b"):  # two slices a step: only the first one seen is checked
+            due.append(c.due(key))
+    assert due == [False, False, False, False, True, False, False, False, False, False, True, False]
+    full = torch.linspace(-1, 1, 1000, dtype=torch.float64).float()
+    assert 0 < c.judge(full.to(torch.bfloat16).float(), full) < 0.01 and not c.fell_back
+    assert c.applies_to(full)
+    again = InterCompressor("bf16")
+    again.guard(3, 0.05)
+    again.load_state_dict(c.state_dict())
+    assert [again.due("a") for _ in range(3)] == [c.due("a") for _ in range(3)] == [False, False, True]
+    assert c.judge(full * 2, full) == pytest.approx(1.0) and c.fell_back  # far off: full precision from now on
+    assert not c.applies_to(full) and c.checks[-1] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="check_every=-1 must be >= 0 and max_error=0.05 > 0"):
+        c.guard(-1, 0.05)

@@ -171,6 +171,8 @@ BAD = [
     (["comm=adaptive", "comm.fragments=2"], "comm.fragments=2 is not available with comm=adaptive yet"),
     (["comm=hierarchical", "comm.adapt_plan=[[4,diloco]]"], "comm.adapt_plan and comm.adapt_modes apply to comm=adaptive only"),
     (["comm=adaptive", "cluster.nnodes=1"], "must be >= 2 with cluster.intra_mode=process"),
+    (["comm.compression_check_every=-5"], "comm.compression_check_every=-5 must be a whole number of steps >= 0"),
+    (["comm.max_compression_error=0"], "comm.max_compression_error=0.0 must be a relative error > 0"),
     (["comm.adapt_every=-1"], "comm.adapt_every=-1 must be a whole number of steps >= 0 (0: off)"),
     (["cluster.nnodes=1", "comm.adapt_every=5"], "comm.adapt_every=5 measures the link between nodes in process mode"),
     (["cluster.rdzv_port=70000"], "cluster.rdzv_port=70000 must be 0 (derived from the Slurm job id) or a port, 1-65535"),

@@ -219,6 +219,11 @@ class CommConfig:
     # none | bf16 | fp16: the inter-node all-reduce of hierarchical / sharded travels in 16 bits, with
     # error feedback; the intra-node phases stay full precision.
     inter_compression: str = "none"
+    # With inter_compression: every compression_check_every steps one bucket also travels in full precision;
+    # where the 16-bit result is off by more than max_compression_error (relative), the hop falls back to full
+    # precision for the rest of the run (0: no check).
+    compression_check_every: int = 100
+    max_compression_error: float = 0.05
     # comm=ddp only: one of torch's own DDP hooks, as a user would register it (the compressed peers of
     # inter_compression). bf16/fp16 compress every all-reduce, intra-node included; powersgd is torch's
     # low-rank PowerSGD with its error feedback, plain all-reduce for its first powersgd_warmup_steps steps.
@@ -263,6 +268,13 @@ class CommConfig:
                            inter_compression=None if self.algorithm in (DILOCO, ADAPTIVE) else self.inter_compression,
                            algorithms=COMM_ALGORITHMS, prefix="comm.", algorithm_key="comm",
                            elsewhere={codec: DILOCO for codec in CODECS if codec not in INTER_COMPRESSIONS})
+        if isinstance(self.compression_check_every, bool) or not isinstance(self.compression_check_every, int) \
+                or self.compression_check_every < 0:
+            raise ValueError(f"comm.compression_check_every={self.compression_check_every!r} must be a whole number "
+                             "of steps >= 0 (0: no check)")
+        if isinstance(self.max_compression_error, bool) or not isinstance(self.max_compression_error, (int, float)) \
+                or not self.max_compression_error > 0:
+            raise ValueError(f"comm.max_compression_error={self.max_compression_error!r} must be a relative error > 0")
         if not self.pipeline_chunk_mb > 0:
             raise ValueError(f"comm.pipeline_chunk_mb={self.pipeline_chunk_mb} must be > 0")
         if self.algorithm == DILOCO:

@@ -204,6 +204,9 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
                 # comm.shard_optimizer: the optimizer's hook averages only this worker's shard of each bucket.
                 hook = (run.optimizer.attach(ddp, comm) if cfg.comm.shard_optimizer
                         else register_comm_hook(ddp, comm))
+            if comm is not None:
+                for compressor in comm.compressors().values():  # the 16-bit hop's guard
+                    compressor.guard(cfg.comm.compression_check_every, cfg.comm.max_compression_error)
             feedback = error_feedback.ErrorFeedback.attach(run.residual_signature, comm, run.residuals, device)
             # The first real step already sees DDP's rebuilt buckets, as every later one does: a resumed run
             # then sums each element in the order the uninterrupted run did, and residuals keyed by bucket apply.

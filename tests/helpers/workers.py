@@ -307,6 +307,31 @@ def case_timeout(topo: Topology, groups: CommGroups, params: dict) -> dict[str, 
     return out
 
 
+def case_guard(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
+    """The 16-bit hop's guard, per algorithm: checked every 2nd use of its first piece, four all-reduces of
+    ordinary values give two checks within fp16's rounding and no fall-back; values beyond fp16's range give
+    an infinite error at the first check and a fall-back, after which the next all-reduce is the uncompressed
+    communicator's, bit for bit. Only ranks that cross nodes compress (every sharded rank, hierarchical's leaders)."""
+    out: dict[str, Any] = {"crosses": topo.is_leader}
+    for alg in ("hierarchical", "sharded"):
+        comm = make_communicator(alg, groups, chunk_bytes=4096, inter_compression="fp16")
+        comm.compressor.guard(2, 0.05)
+        for step in range(4):
+            x = torch.randn(10007, generator=torch.Generator().manual_seed(31 * topo.rank + step))
+            comm.all_reduce_mean_(x, key=("guard", 0))
+        overflowing = make_communicator(alg, groups, chunk_bytes=4096, inter_compression="fp16")
+        overflowing.compressor.guard(1, 0.05)
+        big = torch.randn(10007, generator=torch.Generator().manual_seed(topo.rank)) * 1e6
+        overflowing.all_reduce_mean_(big, key=("guard", 0))
+        x = torch.randn(10007, generator=torch.Generator().manual_seed(97 + topo.rank))
+        after = overflowing.all_reduce_mean_(x.clone(), key=("guard", 0))
+        plain = make_communicator(alg, groups, chunk_bytes=4096).all_reduce_mean_(x.clone(), key=("guard", 0))
+        out[alg] = {"checks": comm.compressor.checks, "fell_back": comm.compressor.fell_back,
+                    "overflow_checks": overflowing.compressor.checks, "overflow_fell_back": overflowing.compressor.fell_back,
+                    "then_uncompressed": torch.equal(after, plain)}
+    return out
+
+
 def case_compression(topo: Topology, groups: CommGroups, params: dict) -> dict[str, Any]:
     """The inter-node hop in bf16/fp16: identical bits on every rank, within the wire's rounding of
     torch's flat mean, half the inter-node bytes; and through the DDP hook, training that stays with DDP's."""
@@ -609,6 +634,7 @@ def case_diloco(topo: Topology, groups: CommGroups, params: dict) -> dict[str, A
 CASES: dict[str, Callable[[Topology, CommGroups, dict], Any]] = {
     "auto": case_auto,
     "compression": case_compression,
+    "guard": case_guard,
     "collectives": case_collectives,
     "counters": case_counters,
     "ddp": case_ddp,

@@ -136,6 +136,7 @@ class MetricsProcessor:
         self.grad_norm: torch.Tensor | None = None  # the last clipped step's global gradient norm (before clipping)
         self._logged_grad_norm: float | None = None  # its value at the last log step
         self.link_watch: LinkWatch | None = None  # comm.adapt_every: the link's rate and the advice, every N steps
+        self._fell_back: set[str] = set()  # compressors whose fall-back to full precision was said
 
     def step_skipped(self, step: int) -> None:
         self.skipped += 1
@@ -182,6 +183,7 @@ class MetricsProcessor:
         for name, stats in phases.items():
             values[f"comm/{name}_s"] = stats.seconds
             values[f"comm/{name}_bytes"] = float(stats.bytes)
+        values.update(self._compression_checks(done))
         self.metrics.scalars(done, values)
         if isinstance(self.comm, AutoCommunicator):
             log_auto_decisions(self.comm, self.metrics, done, self._auto_logged)
@@ -236,6 +238,28 @@ class MetricsProcessor:
         write_json_atomic(run_path / "metrics.json", result)
         return result
 
+    def _compression_checks(self, done: int) -> dict[str, float]:
+        """The 16-bit hop's guard on this rank: the last check's relative error (TensorBoard
+        ``comm/compression_error``), and a status line the first time it fell back to full precision."""
+        compressors = self.comm.compressors() if self.comm is not None else {}
+        values = {}
+        for name, c in compressors.items():
+            if c.checks:
+                values["comm/compression_error"] = c.checks[-1]
+            if c.fell_back and name not in self._fell_back:
+                self._fell_back.add(name)
+                self.metrics.status(f"{name}: the {c.kind} inter-node hop was {c.checks[-1]:.3g} off full precision "
+                                    f"(> comm.max_compression_error={c.max_error:g}) by step {done}; it runs in "
+                                    "full precision from now on")
+        return values
+
+    def _compression_guard(self) -> dict[str, Any]:
+        """metrics.json ``compression_guard`` (rank 0's compressors): the checks' errors and whether it fell back."""
+        compressors = self.comm.compressors() if self.comm is not None else {}
+        return {name: {"checks": len(c.checks), "last_error": c.checks[-1] if c.checks else None,
+                       "max_error_seen": max(c.checks) if c.checks else None, "fell_back": c.fell_back}
+                for name, c in compressors.items()}
+
     def _run_facts(self, last: int) -> dict[str, Any]:
         cfg, topo = self.cfg, self.topology
         return {
@@ -248,6 +272,7 @@ class MetricsProcessor:
             "comm_s": {k: v[0] for k, v in self.totals.items()}, "bytes": {k: v[1] for k, v in self.totals.items()},
             "intra_mode": cfg.cluster.intra_mode, "model": cfg.model.label, "bucket_mb": cfg.comm.bucket_mb,
             "batch_size": cfg.data.batch_size, "runs_as": runs_as(self.comm, cfg.comm.algorithm),
+            "compression_guard": self._compression_guard(),
         }
 
     def _speed(self) -> dict[str, float]:

@@ -58,11 +58,13 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 @dataclass
 class _Inter:
-    """An inter-node all-reduce in flight: its Work, the tensor on the wire, whether it was pre-divided."""
+    """An inter-node all-reduce in flight: its Work, the tensor on the wire, whether it was pre-divided, and
+    where the compression guard checks this one, the same values' full-precision all-reduce (Work, tensor)."""
 
     work: Any
     wire: torch.Tensor
     divided: bool
+    full: tuple[Any, torch.Tensor] | None = None
 
 
 @functools.cache
@@ -273,15 +275,23 @@ class Communicator(ABC):
         if self.compressor.applies_to(tensor):
             if divisor is not None:
                 self._divide_(tensor, divisor)
+            full = tensor.clone() if self.compressor.due(key) else None  # the guard's full-precision twin
             wire = self.compressor.compress_(tensor, key)
-            return _Inter(dist.all_reduce(wire, group=group, async_op=True), wire, divided=True)
+            inter = _Inter(dist.all_reduce(wire, group=group, async_op=True), wire, divided=True)
+            if full is not None:
+                inter.full = (dist.all_reduce(full, group=group, async_op=True), full)
+            return inter
         return _Inter(dist.all_reduce(tensor, group=group, async_op=True), tensor, divided=False)
 
     def _finish_inter(self, tensor: torch.Tensor, inter: _Inter, nnodes: int) -> bool:
         """Wait for :meth:`_start_inter`'s all-reduce; return whether ``tensor`` is already divided."""
-        self._wait("inter_allreduce", [inter.work], allreduce_bytes(inter.wire.nbytes, nnodes))
+        works = [inter.work] + ([inter.full[0]] if inter.full is not None else [])
+        nbytes = allreduce_bytes(inter.wire.nbytes + (inter.full[1].nbytes if inter.full is not None else 0), nnodes)
+        self._wait("inter_allreduce", works, nbytes)
         if inter.wire is not tensor:
             tensor.copy_(inter.wire)
+        if inter.full is not None:
+            self.compressor.judge(tensor, inter.full[1])
         return inter.divided
 
     @contextmanager

@@ -13,6 +13,14 @@ rounding (1-bit SGD, Seide et al. 2014; EF-SGD, Karimireddy et al. 2019).
 The cost is one full-precision residual per element a rank sends across
 nodes: the whole gradient on a hierarchical leader, 1/g of it per sharded
 worker.
+
+A guard (:meth:`InterCompressor.guard`): every K uses of the first slice
+this rank compresses (once a step, for a DDP bucket), that slice is also
+all-reduced in full precision, and the relative error of the 16-bit result
+is kept; above a bound (a gradient that overflows fp16's range, or one so
+small that it vanishes in it) the hop goes back to full precision for good.
+Every member of the all-reduce sees the same two results, so all of them
+fall back at the same step.
 """
 
 from __future__ import annotations
@@ -38,10 +46,44 @@ class InterCompressor:
         self.kind = kind
         self.wire_dtype = _WIRE_DTYPES.get(kind)
         self._residuals: dict[Hashable, torch.Tensor] = {}
+        self.check_every, self.max_error = 0, float("inf")  # the guard: off
+        self.checks: list[float] = []  # each check's relative error
+        self.fell_back = False  # the guard found the error above max_error: full precision from then on
+        self._checked_key: Hashable | None = None  # the slice the guard checks: the first one compressed
+        self._uses = 0  # how often that slice was compressed
+
+    def guard(self, check_every: int, max_error: float) -> None:
+        """Check one slice in full precision every ``check_every`` uses of it (0: never) and fall back to full
+        precision where the relative error exceeds ``max_error``."""
+        if check_every < 0 or not max_error > 0:
+            raise ValueError(f"check_every={check_every} must be >= 0 and max_error={max_error} > 0")
+        self.check_every, self.max_error = check_every, max_error
 
     def applies_to(self, tensor: torch.Tensor) -> bool:
-        """Only full-precision tensors are compressed (a bf16/fp16 gradient already travels in 16 bits)."""
-        return self.wire_dtype is not None and tensor.dtype in _COMPRESSIBLE
+        """Only full-precision tensors are compressed (a bf16/fp16 gradient already travels in 16 bits), and
+        nothing once the guard has fallen back."""
+        return self.wire_dtype is not None and tensor.dtype in _COMPRESSIBLE and not self.fell_back
+
+    def due(self, key: Hashable) -> bool:
+        """Whether the guard checks this use of ``key`` (call once per compressed all-reduce, before
+        :meth:`compress_`): the same answer on every member of the all-reduce, which sees the same keys."""
+        if self._checked_key is None:
+            self._checked_key = key
+        if key != self._checked_key:
+            return False
+        self._uses += 1
+        return self.check_every > 0 and self._uses % self.check_every == 0
+
+    def judge(self, compressed: torch.Tensor, full: torch.Tensor) -> float:
+        """Record the relative error of the 16-bit all-reduce's result against the full-precision one (the same
+        slice, the same step) and fall back where it exceeds ``max_error``; returns it."""
+        scale = float(full.double().norm())
+        error = float((compressed.double() - full.double()).norm()) / scale if scale > 0 else 0.0
+        error = error if error == error else float("inf")  # NaN (an inf on the wire): as bad as it gets
+        self.checks.append(error)
+        if error > self.max_error:
+            self.fell_back = True
+        return error
 
     def compress_(self, value: torch.Tensor, key: Hashable) -> torch.Tensor:
         """Add ``key``'s residual to ``value`` (in place), round it to the wire dtype, keep the new residual.
@@ -69,9 +111,12 @@ class InterCompressor:
         return wire
 
     def state_dict(self) -> dict[str, Any]:
-        """The residuals, copied to the CPU (what a checkpoint keeps so a resumed run continues exactly)."""
+        """The residuals, copied to the CPU, and the guard's place (what a checkpoint keeps so a resumed run
+        continues exactly)."""
         return {"kind": self.kind,
-                "residuals": {key: r.detach().to("cpu", copy=True) for key, r in self._residuals.items()}}
+                "residuals": {key: r.detach().to("cpu", copy=True) for key, r in self._residuals.items()},
+                "guard": {"key": self._checked_key, "uses": self._uses, "fell_back": self.fell_back,
+                          "checks": list(self.checks)}}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | str = "cpu") -> None:
         """Take over :meth:`state_dict`'s residuals onto ``device``; they must come from the same ``kind``."""
@@ -79,6 +124,10 @@ class InterCompressor:
             raise ValueError(f"error-feedback residuals of inter_compression={state.get('kind')!r} cannot "
                              f"continue inter_compression={self.kind!r}")
         self._residuals = {key: r.to(device) for key, r in state["residuals"].items()}
+        guard = state.get("guard")  # absent: saved before the guard existed
+        if guard is not None:
+            self._checked_key, self._uses = guard["key"], int(guard["uses"])
+            self.fell_back, self.checks = bool(guard["fell_back"]), list(guard["checks"])
 
     def residual_bytes(self) -> int:
         """Memory the residuals hold (what error feedback costs this rank)."""
