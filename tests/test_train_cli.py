@@ -171,6 +171,8 @@ BAD = [
     (["comm=adaptive", "comm.fragments=2"], "comm.fragments=2 is not available with comm=adaptive yet"),
     (["comm=hierarchical", "comm.adapt_plan=[[4,diloco]]"], "comm.adapt_plan and comm.adapt_modes apply to comm=adaptive only"),
     (["comm=adaptive", "cluster.nnodes=1"], "must be >= 2 with cluster.intra_mode=process"),
+    (["comm=adaptive", "cluster.recovery=in_place", "cluster.min_nnodes=1"],
+     "cluster.recovery=in_place is not available with comm=adaptive"),
     (["comm.compression_check_every=-5"], "comm.compression_check_every=-5 must be a whole number of steps >= 0"),
     (["comm.max_compression_error=0"], "comm.max_compression_error=0.0 must be a relative error > 0"),
     (["comm.adapt_every=-1"], "comm.adapt_every=-1 must be a whole number of steps >= 0 (0: off)"),

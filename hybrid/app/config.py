@@ -570,7 +570,7 @@ def _validate_recovery(c: ClusterConfig, comm: str) -> None:
     if not 0 < c.min_nnodes < c.nnodes:
         raise ValueError(f"cluster.recovery=in_place needs an elastic job: cluster.min_nnodes={c.min_nnodes} must be "
                          f"in 1..{c.nnodes - 1} (below cluster.nnodes={c.nnodes})")
-    if c.intra_mode != "process" or comm in (DILOCO, "hsdp"):
+    if c.intra_mode != "process" or comm in (DILOCO, ADAPTIVE, "hsdp"):
         what = "cluster.intra_mode=thread" if c.intra_mode != "process" else f"comm={comm}"
         raise ValueError(f"cluster.recovery=in_place is not available with {what}: it rebuilds DDP's groups in "
                          "process mode (comm ddp, flat, hierarchical, sharded, auto); use cluster.recovery=restart")
