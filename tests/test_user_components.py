@@ -155,8 +155,11 @@ def test_the_readme_example_runs_verbatim(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_a_sweep_over_a_users_model_and_a_built_in_one(example):
+@pytest.mark.background  # two small jobs and the report, mostly start-up: beside the main lane
+def test_a_sweep_over_a_users_model_and_a_built_in_one(tmp_path):
     """``-m model=mynet,mlp`` on the user's data: both jobs run, and the report tells them apart."""
+    write_example(tmp_path)
+    example = tmp_path
     out = hybrid_train("-m", *[a for a in MINE if a != "model=mynet"], "model=mynet,mlp", "cluster.nnodes=1",
                        "cluster.nproc_per_node=2",
                        "trainer.max_steps=4", "hydra.sweep.dir=sweep", cwd=example)
@@ -225,8 +228,11 @@ def test_a_hugging_face_model_with_its_own_loss_and_dict_inputs(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_the_train_benchmark_compares_comms_on_a_users_own_model(example):
+@pytest.mark.background  # one small benchmark, mostly start-up: beside the main lane
+def test_the_train_benchmark_compares_comms_on_a_users_own_model(tmp_path):
     """``python -m hybrid.bench train --config-dir``: the flat-vs-hierarchical comparison on one's own parts."""
+    write_example(tmp_path)
+    example = tmp_path
     out = subprocess.run([sys.executable, "-m", "hybrid.bench", "train", "--layouts", "1x2", "--comms",
                           "ddp,hierarchical", "--steps", "3", "--rounds", "1", "--config-dir", "myconf",
                           "--output", "bench.json", "model=mynet", "data=spirals", "loss=smoothed"],
@@ -234,15 +240,18 @@ def test_the_train_benchmark_compares_comms_on_a_users_own_model(example):
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads((example / "bench.json").read_text())
     assert {(r["layout"], r["comm"]) for r in report["summary"]} == {("1x2", "ddp"), ("1x2", "hierarchical")}
-    mynet = sum(p.numel() * 4 for n, p in _readme_model().named_parameters() if n != "project.weight"
-                and n != "project.bias")
-    assert report["param_bytes"] == mynet  # trainable parameters of the worked example's model (tied head counted once)
+    # The worked example's model counted apart, in the user's directory (this lane leaves sys.path alone).
+    counted = subprocess.run([sys.executable, "-c", _COUNT_MYNET], cwd=example, capture_output=True, text=True,
+                             timeout=120)
+    assert counted.returncode == 0, counted.stderr[-2000:]
+    assert report["param_bytes"] == int(counted.stdout)  # trainable parameters (tied head counted once)
     bad = subprocess.run([sys.executable, "-m", "hybrid.bench", "train", "--config-dir", "nosuch", "model=mynet"],
                          cwd=example, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--config-dir 'nosuch' does not exist or is not a directory" in bad.stderr
 
 
-def _readme_model():
-    from mypkg import MyNet  # the example's package (the fixture put it on sys.path)
-
-    return MyNet(features=8, hidden=32, classes=3)
+_COUNT_MYNET = """
+from mypkg import MyNet
+model = MyNet(features=8, hidden=32, classes=3)
+print(sum(p.numel() * 4 for n, p in model.named_parameters() if n not in ("project.weight", "project.bias")))
+"""
