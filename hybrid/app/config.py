@@ -112,6 +112,11 @@ class TestbedConfig:
         """One CPU limit per node, or None."""
         return None if self.cpu_quota is None else per_node_cpus(self.cpu_quota, nnodes)
 
+    @property
+    def nics_in_use(self) -> int:
+        """NICs per node the job's inter-node traffic can spread over: the testbed's, or one off it."""
+        return self.nics_per_node if self.enabled else 1
+
     def schedule(self, nnodes: int) -> LinkSchedule | None:
         """The link schedule, checked, or None."""
         if self.link_schedule is None:

@@ -174,9 +174,8 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
     processor.link_watch = getattr(replicas, "watch", None)  # comm=adaptive's, which it follows
     if cfg.comm.adapt_every and processor.link_watch is None:
         current = Mode(cfg.comm.algorithm, "none" if cfg.comm.inter_compression == "none" else "bf16")
-        nics = cfg.cluster.testbed.nics_per_node if cfg.cluster.testbed.enabled else 1
         processor.link_watch = LinkWatch(cfg.comm.adapt_every, topology.layout, param_bytes(replicas.module),
-                                         current, metrics, nics, slack=cfg.comm.adapt_slack)
+                                         current, metrics, cfg.cluster.testbed.nics_in_use, slack=cfg.comm.adapt_slack)
     checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, run.layout, run.membership, rank, feedback, run.state)
     try:
         last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor, checkpointer,

@@ -61,7 +61,8 @@ from hybrid.runtime.heap import limit_arenas
 from hybrid.runtime.launch import PEER_GRACE_S, is_consequence
 from hybrid.runtime.quorum import JobEnded
 
-__all__ = ["buffer_sync", "run_in_place", "run_worker", "train_diloco", "train_hsdp", "train_process_mode", "train_thread_mode", "train_worker"]
+__all__ = ["buffer_sync", "run_in_place", "run_worker", "train_adaptive", "train_diloco", "train_hsdp", "train_process_mode",
+           "train_thread_mode", "train_worker", "wrap_ddp"]
 
 
 _BUFFER_SYNC_KEY = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
@@ -75,6 +76,14 @@ def buffer_sync(model: torch.nn.Module) -> dict[str, bool]:
     per step."""
     state = set(model.state_dict())
     return {_BUFFER_SYNC_KEY: any(name in state for name, _ in model.named_buffers())}
+
+
+def wrap_ddp(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, group: Any = None) -> DDP:
+    """``model`` under torch DDP with the run's options (``comm.bucket_mb``, gradients as bucket views, unused
+    parameters, buffer sync), over ``group`` (None: the default group; comm=diloco's: the node's)."""
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=group,
+               bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
+               find_unused_parameters=cfg.comm.find_unused_parameters, **buffer_sync(model))
 
 
 def run_worker(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None:
@@ -187,9 +196,7 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
                  held=session.held if session is not None else None)
     if session is not None:
         session.watch(run)
-    ddp = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
-              find_unused_parameters=cfg.comm.find_unused_parameters, **buffer_sync(run.model))
+    ddp = wrap_ddp(cfg, run.model, device)
     counters = PhaseCounters(StepRecorder(PHASES))  # the phases also feed the per-rank accounts and the timeline
     hook = groups = comm = replicas = None
     with _released_once_finished(lambda: groups.destroy() if groups is not None else None):
@@ -243,9 +250,7 @@ def train_diloco(cfg: TrainConfig, topology: Topology, device: torch.device, run
                                outer)
     if note:
         metrics.status(note)
-    ddp = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None, process_group=groups.intra,
-              bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
-              find_unused_parameters=cfg.comm.find_unused_parameters, **buffer_sync(run.model))
+    ddp = wrap_ddp(cfg, run.model, device, groups.intra)
     replicas = None
     with _released_once_finished(groups.destroy):
         try:
@@ -271,20 +276,16 @@ def train_adaptive(cfg: TrainConfig, topology: Topology, device: torch.device, r
                               kinds=adaptive.GROUP_KINDS)
     counters = PhaseCounters(StepRecorder(PHASES))  # every mode's phases, and DiLoCo's exchanges
 
-    def wrap(model: torch.nn.Module, group: Any) -> DDP:
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=group,
-                   bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=cfg.comm.grad_as_bucket_view,
-                   find_unused_parameters=cfg.comm.find_unused_parameters, **buffer_sync(model))
-
     replicas = None
     with _released_once_finished(groups.destroy):
         try:
             sample = sample_batch(run.dataset, cfg.data.batch_size, device)
             modes = adaptive.adaptive_modes(cfg)
-            nics = cfg.cluster.testbed.nics_per_node if cfg.cluster.testbed.enabled else 1
-            watch = LinkWatch(cfg.comm.adapt_every, topology.layout, param_bytes(run.model), modes[0], metrics, nics,
+            watch = LinkWatch(cfg.comm.adapt_every, topology.layout, param_bytes(run.model), modes[0], metrics,
+                              cfg.cluster.testbed.nics_in_use,
                               modes, slack=cfg.comm.adapt_slack) if cfg.comm.adapt_every else None
-            replicas = state.replica = adaptive.AdaptiveReplica(cfg, topology, groups, counters, run, device, wrap,
+            replicas = state.replica = adaptive.AdaptiveReplica(cfg, topology, groups, counters, run, device,
+                                                                lambda model, group: wrap_ddp(cfg, model, device, group),
                                                                 sample, watch, metrics.scalars, metrics.status)
             if watch is not None:
                 watch.probe = replicas.probe  # the link between DiLoCo's syncs
