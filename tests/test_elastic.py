@@ -244,12 +244,11 @@ def test_in_place_under_two_real_torchrun_agents_and_the_survivors_agent_exits_a
     import threading
     import time
 
-    from hybrid.runtime.launch import free_port
     from hybrid.runtime.rdzv_store import start_store
 
     from helpers.background import track
 
-    store = start_store("127.0.0.1", free_port())
+    store = start_store("127.0.0.1", 0)
     try:
         torchrun = str(Path(sys.executable).with_name("torchrun"))
         args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", store.endpoint,

@@ -110,10 +110,9 @@ def test_the_rendezvous_store_off_the_nodes_serves_clients_and_ends_with_its_lau
 
     from torch.distributed import TCPStore
 
-    from hybrid.runtime.launch import free_port
     from hybrid.runtime.rdzv_store import start_store
 
-    store = start_store("127.0.0.1", free_port())
+    store = start_store("127.0.0.1", 0)
     host, port = store.endpoint.split(":")
     client = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
     client.set("membership", "0,1,2")

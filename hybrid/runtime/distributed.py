@@ -12,6 +12,7 @@ its failed predecessor left in a shared store.
 from __future__ import annotations
 
 import os
+import random
 import socket
 from datetime import timedelta
 from pathlib import Path
@@ -71,10 +72,33 @@ def _job_store(rank: int, world_size: int, timeout: timedelta) -> Any:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host`` (for a rendezvous store or an etcd member)."""
+    """A TCP port that was free a moment ago on ``host`` (for a rendezvous store or an etcd member, bound later by
+    another process). Drawn below the system's ephemeral range where there is room: the ports the system hands
+    out for outgoing connections and for ``bind(0)`` (gloo's listeners, every TCPStore client) are never these, so
+    between the choice and the bind only another caller of this function can take it, by a 1-in-thousands draw."""
+    low = _ephemeral_low()
+    for _ in range(32 if low > _LOWEST_DRAWN + 1024 else 0):
+        port = random.randrange(_LOWEST_DRAWN, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+_LOWEST_DRAWN = 20000  # above the ports services are usually given
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the system's ephemeral range (0 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -114,11 +138,12 @@ def shutdown_distributed() -> None:
 
 def store_server(host: str, port: int, timeout_s: float) -> tuple[socket.socket, Any]:
     """A rendezvous store's server (torch's multi-tenant TCPStore) listening on ``host`` only: the socket and the
-    store. The store closes the socket when it goes (node 0's agent, :mod:`hybrid.runtime.rdzv_store`)."""
+    store. The store closes the socket when it goes (node 0's agent, :mod:`hybrid.runtime.rdzv_store`). Port 0:
+    one the system picks, held from the start (``listener.getsockname()[1]`` says which)."""
     from torch.distributed import TCPStore
 
     listener = listening_socket(host, port)
-    store = TCPStore(host, port, is_master=True, multi_tenant=True, master_listen_fd=listener.fileno(),
+    store = TCPStore(host, listener.getsockname()[1], is_master=True, multi_tenant=True, master_listen_fd=listener.fileno(),
                      wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     return listener, store
 

@@ -179,7 +179,7 @@ def _elastic_store(elastic: bool, nodes: Sequence[NodeNetwork], store_network: N
     store_at = store_network or (LOOPBACK if nodes[0] == LOOPBACK else None)
     if not elastic or store_at is None:
         return None
-    port = free_port() if store_at == LOOPBACK else _RDZV_PORT_IN_NAMESPACE
+    port = 0 if store_at == LOOPBACK else _RDZV_PORT_IN_NAMESPACE  # 0: the store binds a free one itself
     return start_store(store_at.address, port, store_at.prefix)
 
 

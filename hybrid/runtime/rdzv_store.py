@@ -8,7 +8,8 @@ TCPStore server (multi-tenant, listening on HOST only), in a small process of
 its own. Every agent then joins as a client (``is_host`` false), and any node,
 node 0 included, can be lost like any other.
 
-It prints ``ready`` once it listens, and runs until its standard input closes
+It prints ``ready PORT`` once it listens (PORT 0 asks the system for a free
+one, so that no other process can take it between choosing and binding), and runs until its standard input closes
 (the launcher that started it exits, or closes the pipe): it cannot outlive
 its job.
 """
@@ -35,8 +36,9 @@ def serve(host: str, port: int) -> None:
     from hybrid.runtime.distributed import store_server
 
     listener, store = store_server(host, port, 60.0)
+    port = listener.getsockname()[1]
     listener.detach()  # the store owns the socket now, and closes it
-    print(READY, flush=True)
+    print(READY, port, flush=True)
     sys.stdin.read()  # until the launcher closes the pipe or exits
     del store
 
@@ -59,7 +61,8 @@ class StoreProcess:
 
 def start_store(host: str, port: int, prefix: tuple[str, ...] = (), timeout_s: float = 30.0) -> StoreProcess:
     """Start the store on ``host:port`` (inside ``prefix``, e.g. a network namespace's ``ip netns exec``) and wait
-    until it listens (at most ``timeout_s``); RuntimeError with its own words where it does not."""
+    until it listens (at most ``timeout_s``); RuntimeError with its own words where it does not. ``port`` 0: a port
+    the store binds itself, free for certain (a port chosen beforehand can be taken by then); ``endpoint`` says it."""
     process = subprocess.Popen([*prefix, sys.executable, "-m", "hybrid.runtime.rdzv_store", host, str(port)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
@@ -68,15 +71,15 @@ def start_store(host: str, port: int, prefix: tuple[str, ...] = (), timeout_s: f
     while (left := deadline - time.monotonic()) > 0:
         if not select.select([process.stdout], [], [], left)[0]:
             break  # nothing said in time
-        line = process.stdout.readline()  # "ready", or "" once it has exited
-        if line.strip() == READY or not line:
+        line = process.stdout.readline()  # "ready PORT", or "" once it has exited
+        if line.startswith(READY) or not line:
             break
-    if line.strip() != READY:
+    if not line.startswith(READY):
         process.kill()
         error = process.stderr.read().strip().splitlines()
         raise RuntimeError(f"the rendezvous store on {host}:{port} did not start: "
                            f"{error[-1] if error else 'no answer within ' + str(timeout_s) + ' s'}")
-    return StoreProcess(process, f"{host}:{port}")
+    return StoreProcess(process, f"{host}:{int(line.split()[1])}")
 
 
 if __name__ == "__main__":
