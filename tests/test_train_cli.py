@@ -161,12 +161,13 @@ BAD = [
     (["comm=flat", "comm.adapt_every=5"], "comm.adapt_every=5 times the inter-node phase of comm hierarchical, sharded or adaptive"),
     (["comm=adaptive", "comm.adapt_every=0"], "comm=adaptive needs comm.adapt_every=N (measure the link every N steps) "
                                                "or comm.adapt_plan=[[after_step, mode], ...]"),
-    (["comm=adaptive", "comm.adapt_modes=[hierarchical,ring]"], "comm.adapt_modes=['hierarchical', 'ring'] must list "
-                                                                  "some of hierarchical, sharded, diloco"),
+    (["comm=adaptive", "comm.adapt_modes=[hierarchical,hierarchical+fp16]"],
+     "comm.adapt_modes=['hierarchical', 'hierarchical+fp16'] must list some of hierarchical, sharded, "
+     "hierarchical+bf16, sharded+bf16, diloco"),
     (["comm=adaptive", "comm.adapt_plan=[[8,ring]]"], "comm.adapt_plan entry [8, 'ring']: mode 'ring' is not one of"),
     (["comm=adaptive", "comm.adapt_plan=[[8,diloco],[4,sharded]]"], "must list its steps in increasing order"),
-    (["comm=adaptive", "comm.adapt_modes=[hierarchical,diloco]", "comm.adapt_plan=[[4,sharded]]"],
-     "comm.adapt_plan names sharded, which is not in comm.adapt_modes=['hierarchical', 'diloco']"),
+    (["comm=adaptive", "comm.adapt_modes=[hierarchical,diloco]", "comm.adapt_plan=[[4,sharded+bf16]]"],
+     "comm.adapt_plan names sharded+bf16, which is not in comm.adapt_modes=['hierarchical', 'diloco']"),
     (["comm=adaptive", "comm.inter=sharded"], "comm.inter='sharded' is not one of auto, hierarchical (comm=adaptive's"),
     (["comm=adaptive", "comm.fragments=2"], "comm.fragments=2 is not available with comm=adaptive yet"),
     (["comm=hierarchical", "comm.adapt_plan=[[4,diloco]]"], "comm.adapt_plan and comm.adapt_modes apply to comm=adaptive only"),

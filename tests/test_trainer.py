@@ -566,20 +566,23 @@ def test_diloco_in_its_exact_case_is_ddp_and_at_h8_keeps_nodes_in_step_and_resum
 
 @pytest.mark.multiprocess
 def test_adaptive_switches_where_its_plan_says_keeps_replicas_identical_and_resumes_bitwise_across_switches():
-    """comm=adaptive on 2x2 with comm.adapt_plan: hierarchical, DiLoCo (H=3), hierarchical, DiLoCo, sharded, switched
-    after steps 4, 8, 12 and 16, every step's replicas checked by the trainer (all four ranks in the every-step
-    modes: a run whose inner optimizer states were not averaged on leaving DiLoCo stops with ReplicaDivergence).
-    The second DiLoCo phase starts from the first's outer momentum (Nesterov SGD: its first outer step then moves
-    the weights by lr (1.9 m - 0.9 k), where m is the new momentum and k the kept one, not by 1.9 lr m). Stopped
-    between the two DiLoCo phases and inside the second, resumed: bitwise the straight run. An empty plan never
-    switches and is comm=hierarchical bitwise."""
+    """comm=adaptive on 2x2 with comm.adapt_plan: hierarchical, DiLoCo (H=3), hierarchical with the 16-bit hop,
+    DiLoCo, sharded with the 16-bit hop, switched after steps 4, 8, 12 and 16, every step's replicas checked by the
+    trainer (all four ranks in the every-step modes: a run whose inner optimizer states were not averaged on
+    leaving DiLoCo stops with ReplicaDivergence). The second DiLoCo phase starts from the first's outer momentum
+    (Nesterov SGD: its first outer step then moves the weights by lr (1.9 m - 0.9 k), where m is the new momentum
+    and k the kept one, not by 1.9 lr m). The 16-bit mode's error-feedback residuals (its node leaders') wait
+    through the second DiLoCo phase unchanged, in its checkpoints too. Stopped between the two DiLoCo phases and
+    inside the second, resumed: bitwise the straight run. An empty plan never switches and is comm=hierarchical
+    bitwise; with the 16-bit mode alone, comm=hierarchical comm.inter_compression=bf16 bitwise."""
     root, results = job("2x2")
     straight = results["adaptive-plan"]
     assert straight["param_checksums_identical"] and straight["steps"] == 20
     assert [(s["step"], s["from"], s["to"]) for s in straight["switches"]] == [
-        (4, "hierarchical", "diloco H=3"), (8, "diloco H=3", "hierarchical"), (12, "hierarchical", "diloco H=3"),
-        (16, "diloco H=3", "sharded")]
-    assert straight["adaptive"]["final_mode"] == "sharded"
+        (4, "hierarchical", "diloco H=3"), (8, "diloco H=3", "hierarchical+bf16"),
+        (12, "hierarchical+bf16", "diloco H=3"), (16, "diloco H=3", "sharded+bf16")]
+    assert straight["adaptive"]["final_mode"] == "sharded+bf16"
+    assert sorted(straight["compression_guard"]) == ["hierarchical+bf16", "sharded+bf16"]
 
     def checkpoint(run: str, step: int) -> dict:
         return torch.load(root / run / "checkpoints" / f"step-{step:08d}.pt", weights_only=True)
@@ -605,9 +608,18 @@ def test_adaptive_switches_where_its_plan_says_keeps_replicas_identical_and_resu
         for key in final["optimizer"]["state"]:
             assert torch.equal(final["optimizer"]["state"][key]["momentum_buffer"],
                                again["optimizer"]["state"][key]["momentum_buffer"]), (stop, key)
-    steady, hierarchical = model_state(root / "adaptive-none"), model_state(root / "hierarchical")
-    assert results["adaptive-none"]["switches"] == []
-    assert all(torch.equal(steady[k], hierarchical[k]) for k in hierarchical)
+    residuals = [[rank["hierarchical+bf16"]["residuals"] for rank in checkpoint("adaptive-plan", step)
+                  ["error_feedback"]["ranks"]] for step in (12, 16)]
+    leaders = [rank for rank, held in enumerate(residuals[0]) if held]
+    assert leaders == [0, 2]  # the node leaders send across nodes
+    for rank in leaders:  # left at step 12, untouched by DiLoCo's steps 13-16, and not zero
+        assert residuals[0][rank].keys() == residuals[1][rank].keys()
+        assert all(torch.equal(residuals[0][rank][k], residuals[1][rank][k]) for k in residuals[0][rank])
+        assert any(bool(r.abs().sum() > 0) for r in residuals[0][rank].values())
+    for run, reference in (("adaptive-none", "hierarchical"), ("adaptive-none+bf16", "hierarchical+bf16")):
+        steady, fixed = model_state(root / run), model_state(root / reference)
+        assert results[run]["switches"] == []
+        assert all(torch.equal(steady[k], fixed[k]) for k in fixed), run
 
 
 @pytest.mark.multiprocess

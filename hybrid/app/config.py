@@ -188,7 +188,10 @@ SHARDS_OPTIMIZER = ("sharded", "hierarchical", "ddp")
 # "adaptive" moves between every-step hierarchical or sharded and DiLoCo as the measured inter-node link changes
 # (hybrid.app.replicas.adaptive, docs/adaptive.md).
 ADAPTIVE = "adaptive"
-ADAPTIVE_MODES = ("hierarchical", "sharded", DILOCO)  # the modes comm=adaptive moves between, most faithful first
+# The modes comm=adaptive may move between (comm.adapt_modes), and those it moves between unless told: every step
+# in fp32, every step with the 16-bit inter-node hop (+bf16, with error feedback), DiLoCo; most faithful first.
+ADAPTIVE_MODES = ("hierarchical", "sharded", "hierarchical+bf16", "sharded+bf16", DILOCO)
+DEFAULT_ADAPT_MODES = ("hierarchical", "sharded", DILOCO)
 COMM_ALGORITHMS = (*CHOOSABLE, *REFERENCE_COMMS, DILOCO, ADAPTIVE)
 # comm=diloco's outer optimizer when comm.outer_optim is not given: the paper's Nesterov SGD.
 # comm=diloco's own keys of the comm node (refused under another comm; the train benchmark passes them to its
@@ -256,7 +259,7 @@ class CommConfig:
     # comm=adaptive only: the modes it may run, most faithful first (the first is where it starts), and a plan of
     # switches at given steps ([[after_step, mode], ...]) that replaces the measured choice (null: measure).
     # Its DiLoCo runs at comm.sync_every (0: the interval the measured link carries, chosen on entering it).
-    adapt_modes: Any = field(default_factory=lambda: list(ADAPTIVE_MODES))
+    adapt_modes: Any = field(default_factory=lambda: list(DEFAULT_ADAPT_MODES))
     # comm.adapt_every's advice (and so comm=adaptive): a less faithful mode only where it is expected
     # 1 + adapt_slack times as fast as the most faithful (1.0: twice as fast).
     adapt_slack: float = 1.0
@@ -288,7 +291,7 @@ class CommConfig:
             self._check_adaptive()
         else:
             self._refuse_diloco_keys()
-            if self.adapt_plan is not None or list(self.adapt_modes) != list(ADAPTIVE_MODES):
+            if self.adapt_plan is not None or list(self.adapt_modes) != list(DEFAULT_ADAPT_MODES):
                 raise ValueError(f"comm.adapt_plan and comm.adapt_modes apply to comm=adaptive only; "
                                  f"comm={self.algorithm} keeps one mode")
         one_of("comm.torch_hook", self.torch_hook, TORCH_HOOKS)
@@ -368,7 +371,7 @@ class CommConfig:
             raise ValueError("comm=adaptive needs comm.adapt_every=N (measure the link every N steps) or "
                              "comm.adapt_plan=[[after_step, mode], ...]")
         for _, mode in self.plan().entries if self.adapt_plan is not None else ():
-            if mode.algorithm not in modes:
+            if mode.name not in modes:
                 raise ValueError(f"comm.adapt_plan names {mode}, which is not in comm.adapt_modes={list(modes)}")
         self._check_outer_optim()
 

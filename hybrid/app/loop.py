@@ -172,6 +172,7 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
     processor = MetricsProcessor(cfg, topology, metrics, counters, comm, run.membership, run_path)
     links = _link_changes(cfg, run_path, rank, metrics)
     processor.link_watch = getattr(replicas, "watch", None)  # comm=adaptive's, which it follows
+    processor.compressors = getattr(replicas, "compressors", processor.compressors)  # and its 16-bit modes'
     if cfg.comm.adapt_every and processor.link_watch is None:
         current = Mode(cfg.comm.algorithm, "none" if cfg.comm.inter_compression == "none" else "bf16")
         processor.link_watch = LinkWatch(cfg.comm.adapt_every, topology.layout, param_bytes(replicas.module),

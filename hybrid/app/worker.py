@@ -289,7 +289,13 @@ def train_adaptive(cfg: TrainConfig, topology: Topology, device: torch.device, r
                                                                 sample, watch, metrics.scalars, metrics.status)
             if watch is not None:
                 watch.probe = replicas.probe  # the link between DiLoCo's syncs
-            return train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, None)
+            feedback = None
+            if run.residual_signature is not None:  # its 16-bit modes' residuals, in and out of checkpoints
+                feedback = error_feedback.ErrorFeedback(replicas.compressors(), run.residual_signature)
+                if run.residuals is not None:
+                    feedback.load(run.residuals, device)
+            return train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device,
+                                    feedback)
         finally:
             if replicas is not None:
                 replicas.close()

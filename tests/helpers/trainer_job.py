@@ -51,17 +51,21 @@ DILOCO_STREAMING = ["comm=diloco", "comm.sync_every=8", "comm.fragments=2", "com
 # comm.shard_optimizer (ZeRO-1 inside the node): AdamW with weight decay and clipping at 1.0 against plain DDP, and
 # checkpoints across the two (stopped at step 13, resumed by the other); with SGD it steps exactly as its comm does
 # unsharded (pieces of 2 KB: several shards per bucket), with the 16-bit hop too.
-# comm=adaptive by a plan (the switch itself, at known steps): DiLoCo at H=3 after step 4, hierarchical after 8, DiLoCo
-# again after 12 (its outer momentum kept from the first phase), sharded after 16; every step's replicas checked;
-# stopped at 10 (between the DiLoCo phases: the kept state in the checkpoint) and at 14 (inside the second), resumed.
-# With an empty plan it never switches: comm=hierarchical's run.
+# comm=adaptive by a plan (the switch itself, at known steps): DiLoCo at H=3 after step 4, hierarchical with the
+# 16-bit hop after 8, DiLoCo again after 12 (its outer momentum kept from the first phase, the 16-bit residuals kept
+# for later), sharded with the 16-bit hop after 16; every step's replicas checked; stopped at 10 (between the DiLoCo
+# phases: the kept state in the checkpoint) and at 14 (inside the second, residuals waiting), resumed. With an empty
+# plan it never switches: comm=hierarchical's run, and with the 16-bit mode alone, comm.inter_compression=bf16's.
 ADAPTIVE_PLAN = ["comm=adaptive", "comm.adapt_every=0", "comm.sync_every=3", "trainer.check_replicas_every=1",
                  "trainer.checkpoint_every=4", "trainer.keep_checkpoints=10",
-                 "comm.adapt_plan=[[4,diloco],[8,hierarchical],[12,diloco],[16,sharded]]"]
+                 "comm.adapt_modes=[hierarchical,sharded,hierarchical+bf16,sharded+bf16,diloco]",
+                 "comm.adapt_plan=[[4,diloco],[8,hierarchical+bf16],[12,diloco],[16,sharded+bf16]]"]
 ADAPTIVE_RUNS = [("adaptive-plan", ADAPTIVE_PLAN)] + [
     (f"adaptive-plan-{stop}", [*ADAPTIVE_PLAN, *extra]) for stop in (10, 14)
     for extra in ([f"trainer.stop_after={stop}"], ["trainer.resume=true"])
-] + [("adaptive-none", ["comm=adaptive", "comm.adapt_every=0", "comm.adapt_plan=[]"])]
+] + [("adaptive-none", ["comm=adaptive", "comm.adapt_every=0", "comm.adapt_plan=[]"]),
+      ("adaptive-none+bf16", ["comm=adaptive", "comm.adapt_every=0", "comm.adapt_plan=[]", "comm.grad_as_bucket_view=false",
+                              "comm.adapt_modes=[hierarchical+bf16]"])]
 ZERO = ["comm=sharded", "comm.shard_optimizer=true"]
 ADAMW = ["optim=adamw", "optim.lr=0.001", "optim.weight_decay=0.1", "trainer.grad_clip_norm=1.0"]
 ZERO_HALF = ROOT / "2x2" / "zero-adamw-13"

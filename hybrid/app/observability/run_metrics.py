@@ -16,7 +16,7 @@ import statistics
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -100,6 +100,8 @@ class MetricsProcessor:
                  comm: Communicator | None = None, membership: list[dict[str, Any]] | None = None,
                  run_path: Path | None = None) -> None:
         self.cfg, self.topology, self.metrics, self.counters, self.comm = cfg, topology, metrics, counters, comm
+        # The 16-bit hop's compressors whose guard it reports: comm's, or (comm=adaptive) its modes'.
+        self.compressors: Callable[[], dict[str, Any]] = comm.compressors if comm is not None else dict
         # Phases reach the recorder through the counters; a caller that built counters without one gets one here.
         if counters.recorder is None:
             counters.recorder = StepRecorder(PHASES)
@@ -241,7 +243,7 @@ class MetricsProcessor:
     def _compression_checks(self, done: int) -> dict[str, float]:
         """The 16-bit hop's guard on this rank: the last check's relative error (TensorBoard
         ``comm/compression_error``), and a status line the first time it fell back to full precision."""
-        compressors = self.comm.compressors() if self.comm is not None else {}
+        compressors = self.compressors()
         values = {}
         for name, c in compressors.items():
             if c.checks:
@@ -255,7 +257,7 @@ class MetricsProcessor:
 
     def _compression_guard(self) -> dict[str, Any]:
         """metrics.json ``compression_guard`` (rank 0's compressors): the checks' errors and whether it fell back."""
-        compressors = self.comm.compressors() if self.comm is not None else {}
+        compressors = self.compressors()
         return {name: {"checks": len(c.checks), "last_error": c.checks[-1] if c.checks else None,
                        "max_error_seen": max(c.checks) if c.checks else None, "fell_back": c.fell_back}
                 for name, c in compressors.items()}

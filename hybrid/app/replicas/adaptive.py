@@ -1,5 +1,6 @@
-"""comm=adaptive in the trainer: every-step hierarchical or sharded while the inter-node link is fast, DiLoCo while
-it is slow, switching at the same step on every rank.
+"""comm=adaptive in the trainer: every-step hierarchical or sharded while the inter-node link is fast (with the
+16-bit inter-node hop where comm.adapt_modes offers it), DiLoCo while it is slow, switching at the same step on
+every rank.
 
 What decides: :class:`hybrid.app.observability.link_watch.LinkWatch` (every ``comm.adapt_every`` steps, one
 estimate from all-reduced counters, so every rank reaches the same advice at the same step), or a plan of
@@ -14,6 +15,10 @@ modes), or over the node's own group with the nodes meeting every H steps (DiLoC
 - **Leaving DiLoCo** syncs whatever moved since the last sync (``OuterSync.finish``: every rank then holds
   the same weights) and averages the inner optimizer's state over every rank (each node's had drifted), so the
   replicas are bit-identical again, and every-step training keeps them so.
+
+- **A 16-bit mode** (``hierarchical+bf16``, ``sharded+bf16``) keeps one compressor, with its error-feedback
+  residuals and its guard, from the run's start to its end: a phase of the mode goes on from the residuals the
+  last one left, and every checkpoint carries them (``error_feedback``), in whatever mode it is written.
 
 Checkpoints hold the running mode, the kept outer optimizer state and the link watch's state (``adaptive``),
 and, inside a DiLoCo phase, DiLoCo's own entries (:class:`hybrid.app.replicas.diloco.DilocoState`): a run
@@ -33,15 +38,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app.components.losses import batch_loss
-from hybrid.app.config import DILOCO, TrainConfig
+from hybrid.app.config import DILOCO, CommConfig, TrainConfig
 from hybrid.app.replicas import diloco
 from hybrid.app.replicas.base import PlainState, RankReplica
 from hybrid.core.adaptive import Mode, ModePlan
-from hybrid.core.comm import CommGroups, PhaseCounters, make_communicator, register_comm_hook, settle_buckets
+from hybrid.core.comm import CommGroups, InterCompressor, PhaseCounters, make_communicator, register_comm_hook, settle_buckets
 from hybrid.core.topology import Topology
 
 __all__ = ["CHECKPOINT_KEY", "GROUP_KINDS", "AdaptiveReplica", "AdaptiveState", "adaptive_modes",
-           "average_optimizer_state"]
+           "average_optimizer_state", "guarded_compressor"]
 
 CHECKPOINT_KEY = "adaptive"
 GROUP_KINDS = ("intra", "leaders", "cross")  # every mode's groups, built once: a switch builds none
@@ -75,6 +80,10 @@ class AdaptiveReplica:
         self.done = run.start_step
         self.switches: list[dict[str, Any]] = []
         self._kept: dict[str, Any] | None = None  # the outer optimizer's state when the last DiLoCo phase ended
+        # The 16-bit modes' compressors (error-feedback residuals, the guard's place), one per mode, kept through
+        # every switch: a mode entered again goes on from its residuals, and checkpoints carry them all.
+        self._compressors = {mode.name: guarded_compressor(mode.inter_compression, cfg.comm)
+                             for mode in self.modes if mode.inter_compression != "none"}
         self._inner: RankReplica | None = None
         self._hook: Any = None
         self.outer: Any = None
@@ -115,6 +124,11 @@ class AdaptiveReplica:
 
     def close(self) -> None:
         self._teardown()
+
+    def compressors(self) -> dict[str, InterCompressor]:
+        """The 16-bit modes' compressors, by mode name, whether running or not (their residuals go in every
+        checkpoint: :class:`hybrid.app.state.error_feedback.ErrorFeedback`)."""
+        return self._compressors
 
     def summary(self) -> dict[str, Any]:
         """What metrics.json says: every switch, and the mode the run ended in."""
@@ -196,7 +210,9 @@ class AdaptiveReplica:
             return
         ddp = self.wrap(run.model, None)
         communicator = make_communicator(mode.algorithm, self.groups, self.counters, cfg.comm.chunk_bytes,
-                                         device=self.device)
+                                         mode.inter_compression, device=self.device)
+        if mode.name in self._compressors:
+            communicator.compressor = self._compressors[mode.name]  # this mode's residuals, from its last phase
         self._hook = register_comm_hook(ddp, communicator)
         settle_buckets(ddp, self._hook, lambda: batch_loss(ddp, *self.sample, run.loss_fn).backward())
         self._inner = RankReplica(ddp, run.streams[0], self.device, run.loss_fn, cfg.trainer.precision,
@@ -215,6 +231,13 @@ class AdaptiveReplica:
         if probe.is_cuda:
             torch.cuda.synchronize(probe.device)  # the all-reduce's time, not its launch's
         return float(PROBE_BYTES), time.perf_counter() - start
+
+
+def guarded_compressor(kind: str, comm: CommConfig) -> InterCompressor:
+    """A ``kind`` compressor with comm.compression_check_every's guard."""
+    compressor = InterCompressor(kind)
+    compressor.guard(comm.compression_check_every, comm.max_compression_error)
+    return compressor
 
 
 def average_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from hybrid.app.config import CommConfig
 from hybrid.app.state.to_rank0 import gather_to_rank0, scatter_from_rank0
+from hybrid.core.adaptive import Mode
 from hybrid.core.comm.base import Communicator
 from hybrid.core.comm.compression import InterCompressor
 from hybrid.runtime.distributed import broadcast_from_rank0
@@ -43,6 +44,11 @@ CHECKPOINT_KEY = "error_feedback"
 def signature(comm: CommConfig, intra_mode: str, node_sizes: Sequence[int]) -> dict[str, Any] | None:
     """What the residuals' keys and owners depend on: equal signatures mean they apply as saved. None where
     the run keeps no residuals (no ``inter_compression``; the same on every rank: it is the config)."""
+    if comm.algorithm == "adaptive":  # its 16-bit modes keep theirs, one set per mode, through every switch
+        compressed = [str(m) for m in comm.adapt_modes if Mode.parse(m).inter_compression != "none"]
+        return None if not compressed else {
+            "comm": comm.algorithm, "modes": compressed, "intra_mode": intra_mode, "node_sizes": list(node_sizes),
+            "bucket_mb": comm.bucket_mb, "chunk_bytes": comm.chunk_bytes}
     if comm.inter_compression == "none" or comm.algorithm == "diloco":  # diloco's pseudo-gradients keep none
         return None
     return {"comm": comm.algorithm, "inter_compression": comm.inter_compression,
