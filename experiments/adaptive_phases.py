@@ -42,6 +42,10 @@ def describe(run: Path, tail: int) -> dict:
     metrics = json.loads((run / "metrics.json").read_text())
     tail_loss = sum(steps[s][1] for s in range(last - tail + 1, last + 1)) / tail
     comm = cfg.comm.algorithm + (f" H={cfg.comm.sync_every}" if cfg.comm.algorithm == "diloco" else "")
+    if cfg.comm.algorithm == "adaptive":
+        comm += f" {list(cfg.comm.adapt_modes)}"
+    elif cfg.comm.inter_compression != "none":
+        comm += f"+{cfg.comm.inter_compression}"
     return {"run": run.name, "comm": comm, "adaptive": cfg.comm.algorithm == "adaptive", "phases": phases,
             "total": sum(phases), "tail_loss": tail_loss, "switches": metrics.get("switches", [])}
 

@@ -262,8 +262,9 @@ def test_a_link_schedule_reshapes_the_links_between_steps_and_comm_adaptive_foll
     switches = [(s["step"], s["from"].split()[0], s["to"].split()[0]) for s in metrics["switches"]]
     assert len(switches) == 2 and switches[0][1:] == ("hierarchical", "diloco"), switches
     assert switches[0][0] in (6, 8) and switches[1][1:] == ("diloco", "hierarchical") and 16 <= switches[1][0] <= 26
-    # DiLoCo's probes (128 KiB: tbf's burst lets part of one pass at the line's rate): a slow link, then a fast one.
-    assert 10 < watched[14]["interval_mbit"] < 60 and watched[switches[1][0]]["interval_mbit"] > 60, watched
+    # DiLoCo's probes: the slow link at its rate (timed after a meeting that spends tbf's burst, which a probe alone
+    # read as 35-40 Mbit/s), then a fast one.
+    assert 10 < watched[14]["interval_mbit"] <= 25 and watched[switches[1][0]]["interval_mbit"] > 60, watched
     assert metrics["param_checksums_identical"] and metrics["adaptive"]["final_mode"] == "hierarchical"
     assert [e.step for e in events.Scalars("adaptive/switches")] == [step for step, _, _ in switches]
     assert ours(run.pid) == []

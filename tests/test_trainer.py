@@ -572,7 +572,8 @@ def test_adaptive_switches_where_its_plan_says_keeps_replicas_identical_and_resu
     leaving DiLoCo stops with ReplicaDivergence). The second DiLoCo phase starts from the first's outer momentum
     (Nesterov SGD: its first outer step then moves the weights by lr (1.9 m - 0.9 k), where m is the new momentum
     and k the kept one, not by 1.9 lr m). The 16-bit mode's error-feedback residuals (its node leaders') wait
-    through the second DiLoCo phase unchanged, in its checkpoints too. Stopped between the two DiLoCo phases and
+    through the second DiLoCo phase unchanged, in its checkpoints too. Each switch is a span of the timeline on
+    every rank. Stopped between the two DiLoCo phases and
     inside the second, resumed: bitwise the straight run. An empty plan never switches and is comm=hierarchical
     bitwise; with the 16-bit mode alone, comm=hierarchical comm.inter_compression=bf16 bitwise."""
     root, results = job("2x2")
@@ -583,6 +584,10 @@ def test_adaptive_switches_where_its_plan_says_keeps_replicas_identical_and_resu
         (12, "hierarchical+bf16", "diloco H=3"), (16, "diloco H=3", "sharded+bf16")]
     assert straight["adaptive"]["final_mode"] == "sharded+bf16"
     assert sorted(straight["compression_guard"]) == ["hierarchical+bf16", "sharded+bf16"]
+    switches = [e for e in json.loads((root / "adaptive-plan" / "timeline.json").read_text())["traceEvents"]
+                if e["ph"] == "X" and e["name"] == "adaptive_switch"]  # in the timeline, on every rank
+    assert sorted((e["args"]["rank"], e["args"]["step"], e["args"]["from"], e["args"]["to"]) for e in switches) == [
+        (rank, 9, "diloco H=3", "hierarchical+bf16") for rank in range(4)]
 
     def checkpoint(run: str, step: int) -> dict:
         return torch.load(root / run / "checkpoints" / f"step-{step:08d}.pt", weights_only=True)

@@ -54,13 +54,14 @@ DILOCO_STREAMING = ["comm=diloco", "comm.sync_every=8", "comm.fragments=2", "com
 # comm=adaptive by a plan (the switch itself, at known steps): DiLoCo at H=3 after step 4, hierarchical with the
 # 16-bit hop after 8, DiLoCo again after 12 (its outer momentum kept from the first phase, the 16-bit residuals kept
 # for later), sharded with the 16-bit hop after 16; every step's replicas checked; stopped at 10 (between the DiLoCo
-# phases: the kept state in the checkpoint) and at 14 (inside the second, residuals waiting), resumed. With an empty
+# phases: the kept state in the checkpoint) and at 14 (inside the second, residuals waiting), resumed; the timeline of
+# steps 8-10 (the switch after step 8 is step 9's) in the straight run. With an empty
 # plan it never switches: comm=hierarchical's run, and with the 16-bit mode alone, comm.inter_compression=bf16's.
 ADAPTIVE_PLAN = ["comm=adaptive", "comm.adapt_every=0", "comm.sync_every=3", "trainer.check_replicas_every=1",
                  "trainer.checkpoint_every=4", "trainer.keep_checkpoints=10",
                  "comm.adapt_modes=[hierarchical,sharded,hierarchical+bf16,sharded+bf16,diloco]",
                  "comm.adapt_plan=[[4,diloco],[8,hierarchical+bf16],[12,diloco],[16,sharded+bf16]]"]
-ADAPTIVE_RUNS = [("adaptive-plan", ADAPTIVE_PLAN)] + [
+ADAPTIVE_RUNS = [("adaptive-plan", [*ADAPTIVE_PLAN, "trainer.timeline=true", "trainer.timeline_steps=[8,10]"])] + [
     (f"adaptive-plan-{stop}", [*ADAPTIVE_PLAN, *extra]) for stop in (10, 14)
     for extra in ([f"trainer.stop_after={stop}"], ["trainer.resume=true"])
 ] + [("adaptive-none", ["comm=adaptive", "comm.adapt_every=0", "comm.adapt_plan=[]"]),

@@ -51,7 +51,8 @@ __all__ = ["CHECKPOINT_KEY", "GROUP_KINDS", "AdaptiveReplica", "AdaptiveState", 
 CHECKPOINT_KEY = "adaptive"
 GROUP_KINDS = ("intra", "leaders", "cross")  # every mode's groups, built once: a switch builds none
 DEFAULT_SYNC_EVERY = 32  # DiLoCo's H where comm.sync_every=0 and no estimate has priced one yet
-# The probe of the idle link under DiLoCo: 128 KiB take 52 ms at 20 Mbit/s, 2 ms at 500 Mbit/s.
+# The probe of the idle link under DiLoCo: 128 KiB take 52 ms at 20 Mbit/s, 2 ms at 500 Mbit/s (timed after as many
+# bytes that spend the link's burst allowance: 78 ms in all at 20 Mbit/s on the testbed).
 PROBE_BYTES = 128 * 1024
 
 
@@ -153,11 +154,13 @@ class AdaptiveReplica:
     def _switch(self, wanted: Mode) -> None:
         """Leave the running mode and enter ``wanted``, between steps ``done`` and ``done + 1``. Collective."""
         before, link = self.mode, self.watch.inter.mbit if self.watch is not None else None
-        if self.in_diloco:
-            self._leave_diloco()
-        self._teardown()
-        self.mode = self._resolved(wanted)
-        self._build(self.mode, None)
+        to = self._resolved(wanted)
+        with self.counters.recorder.span("adaptive_switch", **{"from": str(before), "to": str(to)}):  # the timeline
+            if self.in_diloco:
+                self._leave_diloco()
+            self._teardown()
+            self.mode = to
+            self._build(self.mode, None)
         record = {"step": self.done, "from": str(before), "to": str(self.mode),
                   "link_mbit": None if link is None else round(link, 3)}
         self.switches.append(record)
@@ -223,8 +226,10 @@ class AdaptiveReplica:
         the link idle between its syncs. (bytes, seconds) on the leaders, zeros elsewhere. Collective over the leaders."""
         if not self.topology.is_leader:
             return 0.0, 0.0
-        # Between syncs the nodes run apart: meet first, or the probe times one leader waiting for the other.
-        dist.all_reduce(torch.zeros(1, device=self.device), group=self.groups.leaders)
+        # Between syncs the nodes run apart: meet first, or the probe times one leader waiting for the other. The
+        # meeting carries the probe's bytes too: after the link was idle, a shaper or policer lets a burst through
+        # at line rate (tc's tbf: 64 KB at 20 Mbit/s), which a probe alone would read as a link twice as fast.
+        dist.all_reduce(torch.zeros(PROBE_BYTES // 4, device=self.device), group=self.groups.leaders)
         probe = torch.zeros(PROBE_BYTES // 4, device=self.device)
         start = time.perf_counter()
         dist.all_reduce(probe, group=self.groups.leaders)
