@@ -65,7 +65,7 @@ def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, sto
     import signal
     import time
 
-    from helpers.processes import workers
+    from helpers.processes import describe_processes, workers
 
     job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
               "cluster.recovery=in_place", f"comm={comm}", "comm.timeout_s=60", *store,
@@ -88,7 +88,8 @@ def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, sto
     job.wait_for(r"^resumed from step \d+ of the survivors' memory", timeout=120)
     job.wait_for(r"^step \d+/", timeout=60)
     print(f"node {lost} killed -> next step on 2 nodes, in place: {time.monotonic() - start:.2f} s")
-    assert workers(job.proc.pid) == sorted(set(before) - set(killed))  # no survivor restarted
+    after = workers(job.proc.pid)
+    assert after == sorted(set(before) - set(killed)), describe_processes(before, killed, after)  # no survivor restarted
     code, out, _ = job.finish(timeout=120)
     assert code == 0, out[-3000:]
     assert "restart 1" not in out and "resuming from the last checkpoint" not in out

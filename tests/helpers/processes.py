@@ -122,6 +122,11 @@ def workers(root: int) -> list[int]:
     return sorted(found)
 
 
+def describe_processes(*groups: list[int]) -> str:
+    """Each group's pids with their names and parents (what an assertion on a process tree prints)."""
+    return " | ".join(", ".join(f"{pid}:{_name(pid) or 'gone'}<{_parent(pid)}" for pid in group) for group in groups)
+
+
 class Job:
     """``python -m hybrid.train`` in the background, its output read line by line."""
 
