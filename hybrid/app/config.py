@@ -20,7 +20,7 @@ from typing import Any
 
 from hybrid.app.targets import Component, component_of, current_target, label_of
 from hybrid.core.adaptive import MODE_MARGIN, ModePlan
-from hybrid.core.comm.compression import INTER_COMPRESSIONS
+from hybrid.core.comm.compression import INTER_COMPRESSIONS, InterCompressor
 from hybrid.core.comm.options import check_comm_options, one_of
 from hybrid.core.comm.registry import CHOOSABLE
 from hybrid.core.diloco import CODECS, INTER_MODES
@@ -374,6 +374,11 @@ class CommConfig:
             if mode.name not in modes:
                 raise ValueError(f"comm.adapt_plan names {mode}, which is not in comm.adapt_modes={list(modes)}")
         self._check_outer_optim()
+
+    def guarded(self, compressor: InterCompressor) -> InterCompressor:
+        """``compressor`` with this run's guard (comm.compression_check_every, comm.max_compression_error)."""
+        compressor.guard(self.compression_check_every, self.max_compression_error)
+        return compressor
 
     def plan(self) -> ModePlan | None:
         """comm.adapt_plan, checked (None: the modes follow the measured link)."""

@@ -213,7 +213,7 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
                         else register_comm_hook(ddp, comm))
             if comm is not None:
                 for compressor in comm.compressors().values():  # the 16-bit hop's guard
-                    compressor.guard(cfg.comm.compression_check_every, cfg.comm.max_compression_error)
+                    cfg.comm.guarded(compressor)
             feedback = error_feedback.ErrorFeedback.attach(run.residual_signature, comm, run.residuals, device)
             # The first real step already sees DDP's rebuilt buckets, as every later one does: a resumed run
             # then sums each element in the order the uninterrupted run did, and residuals keyed by bucket apply.
@@ -289,11 +289,8 @@ def train_adaptive(cfg: TrainConfig, topology: Topology, device: torch.device, r
                                                                 sample, watch, metrics.scalars, metrics.status)
             if watch is not None:
                 watch.probe = replicas.probe  # the link between DiLoCo's syncs
-            feedback = None
-            if run.residual_signature is not None:  # its 16-bit modes' residuals, in and out of checkpoints
-                feedback = error_feedback.ErrorFeedback(replicas.compressors(), run.residual_signature)
-                if run.residuals is not None:
-                    feedback.load(run.residuals, device)
+            # Its 16-bit modes' residuals, in and out of checkpoints.
+            feedback = error_feedback.ErrorFeedback.attach(run.residual_signature, replicas, run.residuals, device)
             return train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device,
                                     feedback)
         finally:

@@ -9,9 +9,9 @@ its own. Every agent then joins as a client (``is_host`` false), and any node,
 node 0 included, can be lost like any other.
 
 It prints ``ready PORT`` once it listens (PORT 0 asks the system for a free
-one, so that no other process can take it between choosing and binding), and runs until its standard input closes
-(the launcher that started it exits, or closes the pipe): it cannot outlive
-its job.
+one, so that no other process can take it between choosing and binding), and
+runs until its standard input closes (the launcher that started it exits, or
+closes the pipe): it cannot outlive its job.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app.components.losses import batch_loss
-from hybrid.app.config import DILOCO, CommConfig, TrainConfig
+from hybrid.app.config import DILOCO, TrainConfig
 from hybrid.app.replicas import diloco
 from hybrid.app.replicas.base import PlainState, RankReplica
 from hybrid.core.adaptive import Mode, ModePlan
@@ -46,7 +46,7 @@ from hybrid.core.comm import CommGroups, InterCompressor, PhaseCounters, make_co
 from hybrid.core.topology import Topology
 
 __all__ = ["CHECKPOINT_KEY", "GROUP_KINDS", "AdaptiveReplica", "AdaptiveState", "adaptive_modes",
-           "average_optimizer_state", "guarded_compressor"]
+           "average_optimizer_state"]
 
 CHECKPOINT_KEY = "adaptive"
 GROUP_KINDS = ("intra", "leaders", "cross")  # every mode's groups, built once: a switch builds none
@@ -83,7 +83,7 @@ class AdaptiveReplica:
         self._kept: dict[str, Any] | None = None  # the outer optimizer's state when the last DiLoCo phase ended
         # The 16-bit modes' compressors (error-feedback residuals, the guard's place), one per mode, kept through
         # every switch: a mode entered again goes on from its residuals, and checkpoints carry them all.
-        self._compressors = {mode.name: guarded_compressor(mode.inter_compression, cfg.comm)
+        self._compressors = {mode.name: cfg.comm.guarded(InterCompressor(mode.inter_compression))
                              for mode in self.modes if mode.inter_compression != "none"}
         self._inner: RankReplica | None = None
         self._hook: Any = None
@@ -236,13 +236,6 @@ class AdaptiveReplica:
         if probe.is_cuda:
             torch.cuda.synchronize(probe.device)  # the all-reduce's time, not its launch's
         return float(PROBE_BYTES), time.perf_counter() - start
-
-
-def guarded_compressor(kind: str, comm: CommConfig) -> InterCompressor:
-    """A ``kind`` compressor with comm.compression_check_every's guard."""
-    compressor = InterCompressor(kind)
-    compressor.guard(comm.compression_check_every, comm.max_compression_error)
-    return compressor
 
 
 def average_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

@@ -24,7 +24,7 @@ each algorithm keeps its own residuals).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,11 +32,10 @@ import torch.distributed as dist
 from hybrid.app.config import CommConfig
 from hybrid.app.state.to_rank0 import gather_to_rank0, scatter_from_rank0
 from hybrid.core.adaptive import Mode
-from hybrid.core.comm.base import Communicator
 from hybrid.core.comm.compression import InterCompressor
 from hybrid.runtime.distributed import broadcast_from_rank0
 
-__all__ = ["ErrorFeedback", "restore_residuals", "signature"]
+__all__ = ["ErrorFeedback", "HasCompressors", "restore_residuals", "signature"]
 
 CHECKPOINT_KEY = "error_feedback"
 
@@ -44,16 +43,20 @@ CHECKPOINT_KEY = "error_feedback"
 def signature(comm: CommConfig, intra_mode: str, node_sizes: Sequence[int]) -> dict[str, Any] | None:
     """What the residuals' keys and owners depend on: equal signatures mean they apply as saved. None where
     the run keeps no residuals (no ``inter_compression``; the same on every rank: it is the config)."""
+    where = {"intra_mode": intra_mode, "node_sizes": list(node_sizes), "bucket_mb": comm.bucket_mb,
+             "chunk_bytes": comm.chunk_bytes}
     if comm.algorithm == "adaptive":  # its 16-bit modes keep theirs, one set per mode, through every switch
         compressed = [str(m) for m in comm.adapt_modes if Mode.parse(m).inter_compression != "none"]
-        return None if not compressed else {
-            "comm": comm.algorithm, "modes": compressed, "intra_mode": intra_mode, "node_sizes": list(node_sizes),
-            "bucket_mb": comm.bucket_mb, "chunk_bytes": comm.chunk_bytes}
+        return {"comm": comm.algorithm, "modes": compressed, **where} if compressed else None
     if comm.inter_compression == "none" or comm.algorithm == "diloco":  # diloco's pseudo-gradients keep none
         return None
-    return {"comm": comm.algorithm, "inter_compression": comm.inter_compression,
-            "intra_mode": intra_mode, "node_sizes": list(node_sizes),
-            "bucket_mb": comm.bucket_mb, "chunk_bytes": comm.chunk_bytes}
+    return {"comm": comm.algorithm, "inter_compression": comm.inter_compression, **where}
+
+
+class HasCompressors(Protocol):
+    """What keeps error-feedback residuals: a communicator, or comm=adaptive's replica (every 16-bit mode's)."""
+
+    def compressors(self) -> dict[str, InterCompressor]: ...
 
 
 @dataclass
@@ -64,10 +67,11 @@ class ErrorFeedback:
     signature: dict[str, Any]
 
     @classmethod
-    def attach(cls, run_signature: dict[str, Any] | None, comm: Communicator | None,
+    def attach(cls, run_signature: dict[str, Any] | None, comm: HasCompressors | None,
                residuals: dict[str, Any] | None, device: torch.device) -> ErrorFeedback | None:
         """The error feedback of a run of ``run_signature`` (None where it keeps none) over ``comm``'s
-        compressors, with this rank's restored ``residuals`` (from :func:`restore_residuals`) loaded."""
+        compressors (a communicator's, or comm=adaptive's replica's: every 16-bit mode's), with this rank's
+        restored ``residuals`` (from :func:`restore_residuals`) loaded."""
         if run_signature is None or comm is None:
             return None
         feedback = cls(comm.compressors(), run_signature)
