@@ -12,7 +12,6 @@ its failed predecessor left in a shared store.
 from __future__ import annotations
 
 import os
-import random
 import socket
 from datetime import timedelta
 from pathlib import Path
@@ -72,33 +71,10 @@ def _job_store(rank: int, world_size: int, timeout: timedelta) -> Any:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host`` (for a rendezvous store or an etcd member, bound later by
-    another process). Drawn below the system's ephemeral range where there is room: the ports the system hands
-    out for outgoing connections and for ``bind(0)`` (gloo's listeners, every TCPStore client) are never these, so
-    between the choice and the bind only another caller of this function can take it, by a 1-in-thousands draw."""
-    low = _ephemeral_low()
-    for _ in range(32 if low > _LOWEST_DRAWN + 1024 else 0):
-        port = random.randrange(_LOWEST_DRAWN, low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return port
+    """A TCP port that was free a moment ago on ``host`` (for a rendezvous store or an etcd member)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-_LOWEST_DRAWN = 20000  # above the ports services are usually given
-
-
-def _ephemeral_low() -> int:
-    """The lowest port of the system's ephemeral range (0 where it cannot be read)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
