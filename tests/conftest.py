@@ -1,6 +1,6 @@
 """Every test carries exactly one tier marker (``unit``, ``multiprocess``, ``testbed``, ``packaging``, ``slurm``,
 ``etcd``: see ``pytest --markers``), so ``pytest -m unit`` is a complete inner loop and no test slips in untiered.
-The ``slurm`` and ``etcd`` tiers run only with ``--slurm`` and ``--etcd`` (``.ci/run`` runs them after the suite,
+The ``slurm`` and ``etcd`` tiers run only with ``--slurm`` and ``--etcd`` (``.ci/run`` runs them beside the suite,
 where it can install Debian's packages they need).
 
 The one-process tiers run first (unit, then packaging), and the jobs the selected tests declared in
@@ -8,7 +8,9 @@ The one-process tiers run first (unit, then packaging), and the jobs the selecte
 
 from __future__ import annotations
 
+import os
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import background  # noqa: E402 (after the path above)
+from helpers.processes import SESSION_VAR  # noqa: E402
+
+# Every process this session starts inherits it, before any is started: what tells this session's jobs from those
+# of another session running meanwhile (the slurm and etcd tiers, beside the suite in .ci/run).
+os.environ[SESSION_VAR] = uuid.uuid4().hex
 
 TIERS = ("unit", "multiprocess", "testbed", "packaging", "slurm", "etcd")
-# Tiers that need Debian's packages: run only with their option (.ci/run installs the packages, then runs them).
+# Tiers that need Debian's packages: run only with their option (.ci/run installs the packages and runs them).
 OPT_IN = {"slurm": "a real Slurm cluster on the testbed: root and Debian's Slurm packages",
           "etcd": "a real etcd cluster: Debian's etcd-server and the python-etcd client"}
 FIRST = {"unit": 0, "packaging": 1}  # then the rest, in file order
@@ -35,7 +42,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         for tier in OPT_IN:
             if item.get_closest_marker(tier) and not config.getoption(f"--{tier}"):
-                item.add_marker(pytest.mark.skip(reason=f"the {tier} tier runs with --{tier} (.ci/run runs it after "
+                item.add_marker(pytest.mark.skip(reason=f"the {tier} tier runs with --{tier} (.ci/run runs it beside "
                                                         "the suite)"))
         tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
         if len(tiers) != 1:

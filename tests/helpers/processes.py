@@ -11,21 +11,26 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["Job", "agent_of_node", "agents", "all_gone", "descendants", "hybrid_processes", "left_after",
+__all__ = ["SESSION_VAR", "Job", "agent_of_node", "agents", "all_gone", "descendants", "hybrid_processes", "left_after",
            "processes_with_marker", "running", "workers"]
 
 
+# Set by tests/conftest.py for the whole session, so every process the suite starts carries it: the slurm and
+# etcd tiers run their own sessions beside the suite (.ci/run), and their jobs are not this session's.
+SESSION_VAR = "HYBRID_TEST_SESSION"
+
+
+def _has_env(pid: int, entry: str) -> bool:
+    """Whether process ``pid`` was started with ``entry`` (``NAME=value``) in its environment."""
+    try:
+        return entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
 def processes_with_marker(marker: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            if f"HYBRID_TEST_MARKER={marker}".encode() in (proc / "environ").read_bytes():
-                pids.append(int(proc.name))
-        except OSError:
-            continue
-    return pids
+    return [int(p.name) for p in Path("/proc").iterdir()
+            if p.name.isdigit() and int(p.name) != os.getpid() and _has_env(int(p.name), f"HYBRID_TEST_MARKER={marker}")]
 
 
 def left_after(pids_now: Callable[[], list[int]], within_s: float) -> list[int]:
@@ -107,9 +112,12 @@ def agent_of_node(root: int, node: int) -> int:
 
 
 def hybrid_processes() -> list[int]:
-    """Every agent and worker of any hybrid job on this machine, by name (orphans included)."""
+    """Every agent and worker of a hybrid job that this test session started, by name, orphans included: they
+    keep the session's environment (``SESSION_VAR``), which another session's jobs do not have."""
+    session = f"{SESSION_VAR}={os.environ[SESSION_VAR]}"
     return sorted(int(p.name) for p in Path("/proc").iterdir()
-                  if p.name.isdigit() and _name(int(p.name)).startswith(("hybrid-agent-", "hybrid-rank-")))
+                  if p.name.isdigit() and _name(int(p.name)).startswith(("hybrid-agent-", "hybrid-rank-"))
+                  and _has_env(int(p.name), session))
 
 
 def workers(root: int) -> list[int]:
