@@ -156,7 +156,8 @@ def a_lost_node_rejoins_in_place(tmp_path: Path, store: tuple[str, ...] = ()) ->
     assert metrics["steps"] == 400 and metrics["nnodes"] == 3 and metrics["world_size"] == 3
     assert metrics["param_checksums_identical"]  # the returned node's replica included
     history = [(m["nnodes"], m["why"]) for m in metrics["membership"]]
-    assert history == [(3, "start"), (2, "in place: node(s) [0] lost"), (3, "in place: node(s) [0] joined")]
+    assert history == [(3, "start"), (2, "in place: node(s) [0] lost"), (3, "in place: node(s) [0] joined")], (
+        metrics["membership"], out[-3000:])
     assert "restart 1" not in out and kept == survivors  # nodes 1 and 2: the same processes throughout
     assert metrics["membership"][1]["step"] < metrics["membership"][2]["step"] < 400
     assert all_gone([*everything, again.pid], within_s=15)
