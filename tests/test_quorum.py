@@ -90,3 +90,16 @@ def test_a_live_worker_is_waited_for_until_it_checks_in_or_its_time_is_up(store)
     assert waited >= 2  # the timeout, not the 0.3 s dead time: a beating worker is never taken as dead
     assert results[Member(0, 0)].nodes == (0, 1)
     assert isinstance(results[Member(2, 1)], LeftOut)
+
+
+def test_a_worker_that_checked_in_is_in_though_its_heartbeat_then_stands_still(store):
+    """Node 2's workers check in as soon as their collective fails and then beat no more (a recovery that holds
+    the GIL on a busy machine): they are in, with their steps, not taken as gone after the dead time."""
+    quorum = Quorum(store, "t5", 0.3, 5.0)
+    for local in (0, 1):
+        quorum.check_in(THREE_BY_TWO, Member(2, local, 7))
+    steps = {Member(n, r): 7 for n in (0, 1) for r in (0, 1)}
+    results = agree_all(store, "t5", THREE_BY_TWO, steps, beating=[])
+    assert len(set(results.values())) == 1, results
+    new = results[Member(0, 0)]
+    assert new.nodes == (0, 1, 2) and [(m.node, m.step) for m in new.members][-2:] == [(2, 7), (2, 7)]

@@ -204,12 +204,19 @@ class Quorum:
                     return membership
         raise TimeoutError(f"worker {me.key} found no membership to join within {timeout_s or self.timeout_s:g} s")
 
+    def check_in(self, current: Membership, me: Member) -> None:
+        """Say that this worker is in for the epoch after ``current``, with ``me.step``. A worker checked in
+        counts as alive whatever its heartbeat does: a worker that checks in as soon as its collective fails,
+        before the slow part of its recovery (letting go of its groups, which can hold the GIL for a while on a
+        busy machine), cannot be taken as gone meanwhile. :meth:`agree` checks in too."""
+        self.store.set(f"{self.prefix}/epoch{current.epoch + 1}/in/{me.key}", pickle.dumps((me.step, os.getpid())))
+
     def agree(self, current: Membership, me: Member) -> Membership:
         """Check in for the epoch after ``current`` with ``me.step``; return the decided membership, or raise
         :class:`LeftOut` where this worker is not in it, ``TimeoutError`` where no decision came in time."""
         epoch = current.epoch + 1
         base = f"{self.prefix}/epoch{epoch}"
-        self.store.set(f"{base}/in/{me.key}", pickle.dumps((me.step, os.getpid())))
+        self.check_in(current, me)
         decided = self._decide(current, base, time.monotonic() + self.timeout_s)
         membership = pickle.loads(decided)
         if (me.node, me.local_rank) not in [(m.node, m.local_rank) for m in membership.members]:

@@ -198,15 +198,19 @@ class InPlace:
         in its torchrun environment). Raises :class:`hybrid.runtime.quorum.LeftOut` where it is not in."""
         started = time.monotonic()
         self._session_start = None  # not training: a joiner waits for the next session's first step
+        old = self.membership
+        assert old is not None
+        step = self.run.progress.step if self.run is not None else -1
+        member = Member(self.me.node, self.me.local_rank, step)
+        # In first: what follows can keep this worker's heartbeat still for a second on a busy machine (a
+        # survivor taken as gone for that would lose its node, seen under load).
+        self.quorum.check_in(old, member)
         cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         cut_connections(self.endpoint, self._spare)  # every collective still pending here, and on peers, fails now
         _forget_frames(exc)
-        step = self.run.progress.step if self.run is not None else -1
         state = self._state()
         _leave_groups()
-        old = self.membership
-        assert old is not None
-        new = self.quorum.agree(old, Member(self.me.node, self.me.local_rank, step))
+        new = self.quorum.agree(old, member)
         self.membership = new
         env = new.env_of(self.me.node, self.me.local_rank)
         _export(env, len(new.nodes))
