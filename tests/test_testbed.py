@@ -38,14 +38,19 @@ def ours(owner: int | None = None) -> list[str]:
     names = [line.split()[0] for line in out.splitlines() if line.startswith("hybrid-")]
     if owner is not None:
         return [name for name in names if name.startswith(f"hybrid-{owner}-")]
-    return [name for name in names if not process_alive(int(name.split("-")[1]))]
+    return [name for name in names if _left_over(name)]
 
 
 def left_by_exited_makers(folder: Path) -> list[str]:
-    """The testbed entries in ``folder`` (``hybrid-PID-...``: a hosts folder, a cgroup) whose maker has exited: a
-    leftover. Those of a testbed still held (a job of the background lane, the slurm tier beside the suite) are not."""
-    return sorted(p.name for p in folder.glob("hybrid-*")
-                  if (pid := p.name.split("-")[1]).isdigit() and not process_alive(int(pid)))
+    """The testbed entries in ``folder`` (a hosts folder, a cgroup) whose maker has exited. Those of a testbed still
+    held (a job of the background lane, the slurm tier beside the suite) are not."""
+    return sorted(p.name for p in folder.glob("hybrid-*") if _left_over(p.name))
+
+
+def _left_over(name: str) -> bool:
+    """Whether testbed entry ``name`` (``hybrid-PID-...``, named for the process that made it) outlived its maker."""
+    pid = name.split("-")[1]
+    return pid.isdigit() and not process_alive(int(pid))
 
 
 @pytest.mark.testbed
