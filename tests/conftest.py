@@ -1,6 +1,6 @@
 """Every test carries exactly one tier marker (``unit``, ``multiprocess``, ``testbed``, ``packaging``, ``slurm``,
 ``etcd``: see ``pytest --markers``), so ``pytest -m unit`` is a complete inner loop and no test slips in untiered.
-The ``slurm`` and ``etcd`` tiers run only with ``--slurm`` and ``--etcd`` (``.ci/run`` runs them beside the suite,
+The ``slurm`` and ``etcd`` tiers run only with ``--slurm`` and ``--etcd`` (``.ci/run`` runs them after the suite,
 where it can install Debian's packages they need).
 
 The one-process tiers run first (unit, then packaging), and the jobs the selected tests declared in
@@ -22,7 +22,7 @@ from helpers import background  # noqa: E402 (after the path above)
 from helpers.processes import SESSION_VAR  # noqa: E402
 
 # Every process this session starts inherits it, before any is started: what tells this session's jobs from those
-# of another session running meanwhile (the slurm and etcd tiers, beside the suite in .ci/run).
+# of another session running meanwhile (the slurm and etcd tiers, when run by hand meanwhile).
 os.environ[SESSION_VAR] = uuid.uuid4().hex
 
 TIERS = ("unit", "multiprocess", "testbed", "packaging", "slurm", "etcd")
@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         for tier in OPT_IN:
             if item.get_closest_marker(tier) and not config.getoption(f"--{tier}"):
-                item.add_marker(pytest.mark.skip(reason=f"the {tier} tier runs with --{tier} (.ci/run runs it beside "
+                item.add_marker(pytest.mark.skip(reason=f"the {tier} tier runs with --{tier} (.ci/run runs it after "
                                                         "the suite)"))
         tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
         if len(tiers) != 1:

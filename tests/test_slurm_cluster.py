@@ -3,7 +3,7 @@
 One cluster for the whole module (``python -m hybrid.testbed slurm up --nodes 3``, as a user starts it), and
 three sweeps on it, each checked against what Slurm itself recorded: sizes 1, 2 and 3; a requeued job
 (bitwise against the first sweep's uninterrupted one) beside a cancelled one; a node lost under an elastic
-job. Runs with ``pytest --slurm -m slurm`` (``.ci/run`` beside the suite); needs root and Debian's Slurm.
+job. Runs with ``pytest --slurm -m slurm`` (``.ci/run`` after the suite); needs root and Debian's Slurm.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def ours(owner: int | None = None) -> list[str]:
 
 def left_by_exited_makers(folder: Path) -> list[str]:
     """The testbed entries in ``folder`` (a hosts folder, a cgroup) whose maker has exited. Those of a testbed still
-    held (a job of the background lane, the slurm tier beside the suite) are not."""
+    held (a job of the background lane, a Slurm testbed up meanwhile) are not."""
     return sorted(p.name for p in folder.glob("hybrid-*") if _left_over(p.name))
 
 

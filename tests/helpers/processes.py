@@ -16,7 +16,7 @@ __all__ = ["SESSION_VAR", "Job", "agent_of_node", "agents", "all_gone", "descend
 
 
 # Set by tests/conftest.py for the whole session, so every process the suite starts carries it: the slurm and
-# etcd tiers run their own sessions beside the suite (.ci/run), and their jobs are not this session's.
+# etcd tiers, or another pytest, may run their own sessions meanwhile, and their jobs are not this session's.
 SESSION_VAR = "HYBRID_TEST_SESSION"
 
 
