@@ -65,6 +65,11 @@ def test_nodes_are_separate_namespaces_and_the_link_is_really_shaped():
     assert {r["ifname"] for r in results} == {"nic0"}
     assert len({r["netns"] for r in results}) == 2  # each rank in its own namespace
     assert all(r["netns"] != os.readlink("/proc/self/ns/net") for r in results)
+    # Entered as `ip netns exec` enters a node (hybrid.runtime.netns): the node's devices in /sys, the testbed's
+    # hosts file over /etc/hosts, in a mount namespace of the node's own (the machine's /etc/hosts is untouched).
+    assert all(r["sys_net"] == ["lo", "nic0"] for r in results), [r["sys_net"] for r in results]
+    assert all("hybrid-n1" in r["hosts"] and r["mntns"] != os.readlink("/proc/self/ns/mnt") for r in results), results
+    assert "hybrid-n1" not in Path("/etc/hosts").read_text()
     # A 2-rank ring all-reduce sends S bytes each way through each NIC: at 100 Mbit/s
     # that cannot take less than S / rate. On loopback it takes a few ms.
     floor = repeats * nbytes * 8 / (link_mbit * 1e6)

@@ -37,7 +37,7 @@ from hybrid.runtime.agent import StoreLost
 from hybrid.runtime.launch import launch_local, start_agent_server
 from hybrid.runtime.link_schedule import LinkSchedule, LinkScheduler
 from hybrid.runtime.slurm import SlurmNode, in_submitit_task, slurm_restart
-from hybrid.runtime.testbed import LinkShape, Testbed
+from hybrid.runtime.testbed import LinkShape, Testbed, testbed_forks_agents
 
 __all__ = ["EXIT_STORE_LOST", "launch_job", "main", "train"]
 
@@ -117,8 +117,8 @@ def _run(settings: TrainConfig, hydra_cfg: Any, run_dir: Path) -> dict[str, Any]
                           timeout_s=settings.cluster.launch_timeout_s, **_elastic(settings.cluster)).get(0)
     else:
         check_run_dir(run_dir, settings.trainer.resume)
-        if not settings.cluster.testbed.enabled:  # the agents' fork server imports torch during the checks
-            start_agent_server(run_worker)
+        if not settings.cluster.testbed.enabled or testbed_forks_agents():
+            start_agent_server(run_worker)  # its import of torch runs during the checks
         prepare(settings)
         result = launch_job(settings, run_worker, (settings, str(run_dir)), run_dir)[0]
     return result

@@ -1,9 +1,9 @@
 """One simulated node's torch elastic agent, as its own process: forked from the launch's fork server
-(:func:`run_forked_agent`), or ``python -m hybrid.runtime.agent JOB_DIR NODE`` in a network namespace.
+(:func:`run_forked_agent`, which enters a testbed node itself), or ``python -m hybrid.runtime.agent JOB_DIR
+NODE`` (under a command prefix that enters the node, where the launcher cannot: a testbed without root).
 
 :mod:`hybrid.runtime.launch` writes the job (entry point, arguments, layout,
-rendezvous) into ``JOB_DIR`` and starts one of these per node, a node in a
-network namespace with that namespace's prefix (``ip netns exec ...``). The agent runs
+rendezvous) into ``JOB_DIR`` and starts one of these per node. The agent runs
 ``elastic_launch`` (torchrun's engine) for its node's workers and writes their
 return values, or the failure, to ``JOB_DIR/result-NODE.pkl``. The agent
 itself (:func:`run_node`) also runs each node of a Slurm job (:mod:`hybrid.runtime.slurm`).
@@ -33,6 +33,7 @@ from typing import Any
 from hybrid.runtime.cpu_limit import join_deferred
 from hybrid.runtime.distributed import store_server
 from hybrid.runtime.etcd_store import ETCD_SCHEME, live_member, retrying
+from hybrid.runtime.netns import NodeEntry, enter
 from hybrid.runtime.rdzv_store import NODE_ENV, STORE_ENV
 from hybrid.runtime.store_watch import StoreWatch
 
@@ -309,11 +310,18 @@ def _leave_together(server: tuple[socket.socket, Any] | None, endpoint: str, run
         pass  # node 0 has gone already (it waited its limit): nothing is left to close
 
 
-def run_forked_agent(job_dir: str, node: int, env: dict[str, str]) -> None:
+def run_forked_agent(job_dir: str, node: int, env: dict[str, str], entry: NodeEntry | None = None) -> None:
     """The agent of a local node, forked from multiprocessing's fork server (see
-    :func:`hybrid.runtime.launch.launch_local`): its own session, the node's environment, and torch's threads
-    as ``OMP_NUM_THREADS`` says (torch read the server's environment when the server imported it)."""
+    :func:`hybrid.runtime.launch.launch_local`): its own session, inside its testbed node where ``entry`` names
+    one, the node's environment, and torch's threads as ``OMP_NUM_THREADS`` says (torch read the server's
+    environment when the server imported it)."""
     os.setsid()
+    if entry is not None:
+        try:
+            enter(entry)
+        except OSError as exc:  # reported to the launcher, which names the node
+            _write_result(Path(job_dir), node, "failed", f"cannot enter testbed node {entry.netns}: {exc}")
+            sys.exit(1)
     os.environ.clear()
     os.environ.update(env)
     threads = int(env.get("OMP_NUM_THREADS", "0") or 0)

@@ -7,12 +7,15 @@ a cgroup of the cpu controller with ``quota = cpus x period`` (cgroup v1's
 ``cpu.cfs_quota_us``, or v2's ``cpu.max``), so the kernel lets it run only
 that share of each 10 ms period, whatever its threads do.
 
-A node's agent joins its cgroup once its interpreter has started and imported
-torch and the entry point, and before it starts any worker: every worker
+A node's agent joins its cgroup before it starts any worker: every worker
 (forked from it) runs under the limit from its first instruction, so no child
-escapes it, while the interpreter's start-up, which is not the node's compute,
-is not throttled (at a quarter CPU, the agent's start-up took about 12 s). The
-agent runs in a network namespace, whose ``/sys`` has no cgroups, so
+escapes it, while the agent's start-up (importing torch), which is not the
+node's compute, is not throttled (at a quarter CPU it took about 12 s). An
+agent forked with torch imported joins at once, before it enters its node
+(:mod:`hybrid.runtime.netns`). One started as a command under the node's
+prefix (``python -m hybrid.runtime.agent``, e.g. a node brought back by
+hand) joins once its interpreter has started and imported torch and the entry
+point; it runs in a network namespace, whose ``/sys`` has no cgroups, so
 :func:`deferred_join_prefix` opens the cgroup's ``cgroup.procs`` before the
 namespace is entered and hands the open file down; the agent writes its pid
 into it with :func:`join_deferred`. :func:`join_prefix` puts a whole command

@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator, Sequence
 from hybrid.core.topology import Layout
 from hybrid.runtime.agent import STORE_LOST, StoreLost
 from hybrid.runtime.distributed import free_port
+from hybrid.runtime.netns import NodeEntry
 from hybrid.runtime.rdzv_store import start_store
 
 __all__ = ["LOOPBACK", "PEER_GRACE_S", "LaunchError", "NodeNetwork", "free_port", "is_consequence", "launch_local",
@@ -78,6 +79,8 @@ class NodeNetwork:
     address: str
     ifname: str
     prefix: tuple[str, ...] = ()  # e.g. ("ip", "netns", "exec", "hybrid-n0")
+    # The same place for a process forked here (root's testbed): entered in the child, no new interpreter.
+    entry: NodeEntry | None = None
 
 
 LOOPBACK = NodeNetwork(_LOCALHOST, "lo")
@@ -208,7 +211,7 @@ def _etcd_store(nodes: Sequence[NodeNetwork], store_network: NodeNetwork | None)
 # What the agents' fork server imports once, so that no agent pays it: torch, its elastic agent, our agent, and
 # what the agent imports before forking its workers (hybrid.runtime.agent.BEFORE_FORK).
 _AGENT_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.launcher.api",
-                  "torch.distributed.elastic.multiprocessing.errors", "hybrid.runtime.agent"]
+                  "torch.distributed.elastic.multiprocessing.errors", "hybrid.runtime.agent", "hybrid.runtime.netns"]
 
 
 class _ForkedAgent:
@@ -265,18 +268,20 @@ def _start_agent(job_dir: Path, node: int, network: NodeNetwork, env: dict[str, 
                  entrypoint: Callable[..., Any]) -> Any:
     """One node's agent, in its own session (stoppable as a whole with its workers).
 
-    A node on this machine's loopback is forked from multiprocessing's fork server, which has torch, the
-    elastic agent and the entry point's module imported once for the whole launch (each agent would pay
-    about a second of CPU for them, every launch); the server itself is a fresh interpreter that has run no
-    torch op, so forking it is safe. A node in a network namespace is entered with its prefix
-    (``ip netns exec ...``) and started as ``python -m hybrid.runtime.agent``."""
-    if network.prefix:
+    Forked from multiprocessing's fork server, which has torch, the elastic agent and the entry point's
+    module imported once for the whole launch (each agent would pay about 2.5 s of CPU for them, every
+    launch); the server itself is a fresh interpreter that has run no torch op, so forking it is safe. A
+    node on loopback runs where it was forked; a testbed node (``network.entry``) is entered in the child
+    (:mod:`hybrid.runtime.netns`). A node reached only through its command prefix (a testbed in a user
+    namespace) is started as ``python -m hybrid.runtime.agent`` under that prefix."""
+    if network.prefix and network.entry is None:
         return subprocess.Popen([*network.prefix, sys.executable, "-m", "hybrid.runtime.agent", str(job_dir), str(node)],
                                 env=env, start_new_session=True)
     from hybrid.runtime.agent import run_forked_agent
 
     context = start_agent_server(entrypoint)
-    process = context.Process(target=run_forked_agent, args=(str(job_dir), node, env), name=f"hybrid-agent-{node}")
+    process = context.Process(target=run_forked_agent, args=(str(job_dir), node, env, network.entry),
+                              name=f"hybrid-agent-{node}")
     with _without_main():
         process.start()
     return _ForkedAgent(process)

@@ -47,10 +47,11 @@ from typing import Callable, Sequence
 
 from hybrid.runtime import cpu_limit
 from hybrid.runtime.launch import NodeNetwork
+from hybrid.runtime.netns import NETNS_ETC, NodeEntry
 
 __all__ = ["MAX_NICS", "LinkShape", "Testbed", "TestbedError", "cleanup_leftovers", "nic_address", "nic_names",
            "owned_namespaces", "per_node_cpus", "per_node_rates", "process_alive", "reshape_running",
-           "testbed_available"]
+           "testbed_available", "testbed_forks_agents"]
 
 MAX_NICS = 8
 
@@ -130,6 +131,12 @@ def testbed_available() -> str | None:
 USERNS = ("unshare", "--user", "--map-root-user", "--net", "--mount")
 
 
+def testbed_forks_agents() -> bool:
+    """Whether a testbed made by this process has its agents forked from the launch's fork server (as root it
+    enters its nodes itself; in a user namespace a command prefix must start each agent)."""
+    return os.geteuid() == 0
+
+
 def _user_namespaces_refused() -> str | None:
     """None if this user may make a user namespace with network and mount namespaces, else what is needed."""
     try:
@@ -182,13 +189,11 @@ def _ours() -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     return namespaces, bridges
 
 
-# ``ip netns exec NS`` mounts /etc/netns/NS/hosts over /etc/hosts: a hosts file per namespace that names every
-# node's addresses. Without it a reverse lookup of a peer's address (c10d does one for every store
-# connection) goes to a DNS server no namespace can reach and fails with EAI_AGAIN, which c10d logged as
-# "[c10d] The hostname of the client socket cannot be retrieved. err=-3", once per connection.
-NETNS_ETC = Path("/etc/netns")
-
-
+# Entering a node (``ip netns exec NS``, hybrid.runtime.netns.enter) mounts /etc/netns/NS/hosts over /etc/hosts:
+# a hosts file per namespace that names every node's addresses. Without it a reverse lookup of a peer's address
+# (c10d does one for every store connection) goes to a DNS server no namespace can reach and fails with
+# EAI_AGAIN, which c10d logged as "[c10d] The hostname of the client socket cannot be retrieved. err=-3", once
+# per connection.
 def _hosts_file(addresses: dict[str, str]) -> str:
     """Loopback and every node address, also as the IPv4-mapped IPv6 address a dual-stack socket reports."""
     lines = ["127.0.0.1 localhost", "::1 localhost"]
@@ -345,11 +350,14 @@ class Testbed:
     @property
     def nodes(self) -> list[NodeNetwork]:
         ifnames = ",".join(nic_names(self.nics_per_node))
-        # The agent joins its node's cgroup once it has started (cpu_limit.join_deferred): its workers are
-        # throttled, its interpreter's start-up is not.
+        # A command under the prefix joins its node's cgroup once it has started (cpu_limit.join_deferred): its
+        # workers are throttled, its interpreter's start-up is not. A process forked as root enters the node
+        # itself (hybrid.runtime.netns), cgroup first; in a user namespace only the prefix can reach a node.
         limits = [cpu_limit.deferred_join_prefix(path) for path in self.cgroups] or [()] * self.nnodes
-        return [NodeNetwork(nic_address(i, 0), ifnames, (*limit, *self.prefix, "ip", "netns", "exec", ns))
-                for i, (ns, limit) in enumerate(zip(self.namespaces, limits))]
+        cgroups = [str(path) for path in self.cgroups] or [""] * self.nnodes
+        return [NodeNetwork(nic_address(i, 0), ifnames, (*limit, *self.prefix, "ip", "netns", "exec", ns),
+                            NodeEntry(ns, cgroup) if testbed_forks_agents() else None)
+                for i, (ns, limit, cgroup) in enumerate(zip(self.namespaces, limits, cgroups))]
 
     @property
     def service(self) -> NodeNetwork:

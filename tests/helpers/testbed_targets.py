@@ -2,6 +2,7 @@
 
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,11 @@ def timed_allreduce(nbytes: int, repeats: int) -> dict:
         for _ in range(repeats):
             dist.all_reduce(tensor)
         elapsed = time.perf_counter() - start
+        # What a program in the node sees of it, as under ``ip netns exec``: its own devices in /sys, the
+        # testbed's hosts file, its mounts not the machine's.
         return {"rank": env.rank, "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
-                "netns": os.readlink("/proc/self/ns/net"), "seconds": elapsed}
+                "netns": os.readlink("/proc/self/ns/net"), "mntns": os.readlink("/proc/self/ns/mnt"),
+                "sys_net": sorted(os.listdir("/sys/class/net")), "hosts": Path("/etc/hosts").read_text(),
+                "seconds": elapsed}
     finally:
         shutdown_distributed()
