@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 import hybrid.app.checks  # noqa: F401  registers the schema (train_schema) with Hydra's ConfigStore
 from hybrid.app.config import packaged_conf_dir
-from hybrid.app.observability.run_metrics import TAIL_STEPS
+from hybrid.app.observability.metrics import TAIL_STEPS
 from hybrid.core.costmodel import Level, Model, predict
 from hybrid.core.topology import Layout
 from hybrid.tools.report import load_jobs, main, report_figure

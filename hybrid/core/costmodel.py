@@ -59,10 +59,13 @@ from typing import Any, Iterable
 
 from hybrid.core.topology import Layout
 
-__all__ = ["MODELLED_ALGORITHMS", "Level", "Model", "bench_chunk_bytes", "calibrate", "fit_level", "fit_overlap", "predict",
-           "predict_all"]
+__all__ = ["MODELLED_ALGORITHMS", "PHASES", "Level", "Model", "bench_chunk_bytes", "calibrate", "fit_level", "fit_overlap",
+           "predict", "predict_all"]
 
 MODELLED_ALGORITHMS = ("flat", "hierarchical", "sharded")
+# The phases every algorithm reports (hybrid.core.comm.counters says what each is) and this model prices. Named
+# here, where nothing imports torch, so that the report can name them without importing torch.
+PHASES = ("flat_allreduce", "intra_reduce", "inter_allreduce", "intra_broadcast")
 
 
 @dataclass(frozen=True)

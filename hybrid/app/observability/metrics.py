@@ -15,7 +15,10 @@ from typing import Any
 
 from hybrid.app.observability.run_log import RunLog
 
-__all__ = ["Metrics", "NullMetrics", "TensorBoardMetrics", "hparam_value", "write_json_atomic"]
+__all__ = ["TAIL_STEPS", "Metrics", "NullMetrics", "TensorBoardMetrics", "hparam_value", "write_json_atomic"]
+
+# metrics.json's tail_loss: every rank's loss over this many last steps (run_metrics keeps them; the report reads them).
+TAIL_STEPS = 20
 
 _INT = re.compile(r"[+-]?\d+")
 _FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?")

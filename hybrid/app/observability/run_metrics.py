@@ -25,7 +25,7 @@ from torch import nn
 from hybrid.app.components.models import param_bytes
 from hybrid.app.config import TrainConfig
 from hybrid.app.observability.link_watch import LinkWatch
-from hybrid.app.observability.metrics import Metrics, hparam_value, write_json_atomic
+from hybrid.app.observability.metrics import TAIL_STEPS, Metrics, hparam_value, write_json_atomic
 from hybrid.app.observability.step_accounts import StepAccounts
 from hybrid.app.observability.timeline_file import TimelineFile
 from hybrid.app.replicas.base import param_checksum
@@ -35,9 +35,7 @@ from hybrid.core.topology import Topology
 from hybrid.core.units import human_bytes
 from hybrid.runtime.testbed import nic_tx_bytes, testbed_nics
 
-TAIL_STEPS = 20
-
-__all__ = ["TAIL_STEPS", "MetricsProcessor", "describe_auto_calibration", "log_auto_decisions", "runs_as"]
+__all__ = ["MetricsProcessor", "describe_auto_calibration", "log_auto_decisions", "runs_as"]
 
 
 def describe_auto_calibration(comm: AutoCommunicator) -> str:

@@ -24,11 +24,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from hybrid.core.costmodel import PHASES
 from hybrid.core.timeline import StepRecorder, current_bucket
 
 __all__ = ["PHASES", "PhaseCounters", "PhaseStats", "allreduce_bytes", "rooted_bytes"]
 
-PHASES = ("flat_allreduce", "intra_reduce", "inter_allreduce", "intra_broadcast")
 
 
 def allreduce_bytes(nbytes: int, group_size: int) -> int:

@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Protocol
 
-from hybrid.core.comm import PHASES
+from hybrid.core.costmodel import PHASES
 
 __all__ = ["SEGMENT_LABELS", "breakdown", "breakdown_figure", "breakdown_table", "exposed_s", "plot_breakdown"]
 

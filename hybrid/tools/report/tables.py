@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from hybrid.app.observability.run_metrics import TAIL_STEPS
+from hybrid.app.observability.metrics import TAIL_STEPS
 from hybrid.core.units import human_bytes
 from hybrid.tools.report.format import fmt
 from hybrid.tools.report.job import PHASE_COLUMNS, Job, is_reference
