@@ -266,7 +266,6 @@ def _files_with_a_nan(tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.background  # one CLI run, mostly start-up: the lane has room once its first jobs are done
 def test_non_finite_gradients_stop_the_run_by_default(tmp_path):
     out = subprocess.run([sys.executable, "-m", "hybrid.train", *_files_with_a_nan(tmp_path)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
@@ -276,7 +275,6 @@ def test_non_finite_gradients_stop_the_run_by_default(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.background  # one CLI run, mostly start-up: the lane has room once its first jobs are done
 def test_non_finite_gradients_can_be_skipped(tmp_path):
     out = subprocess.run([sys.executable, "-m", "hybrid.train", *_files_with_a_nan(tmp_path),
                           "trainer.nonfinite_grads=skip", "trainer.check_replicas_every=4",

@@ -324,7 +324,6 @@ def test_leftover_of_a_killed_run_is_detected_and_removed():
 
 @pytest.mark.testbed
 @needs_testbed
-@pytest.mark.background  # mostly waits (the start, the teardown after the signal): beside the main lane
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_training_run_interrupted_mid_way_leaves_no_namespace(sig, tmp_path):
     run = subprocess.Popen(
