@@ -19,7 +19,6 @@ import torch
 from hybrid.app.state.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
 from hybrid.core.topology import Layout
 from hybrid.runtime.launch import launch_local
-from hybrid.runtime.rdzv_store import PROCESS_NAME
 from hybrid.runtime.testbed import testbed_available
 
 from helpers import reliability_targets
@@ -219,7 +218,7 @@ def test_losing_the_single_rendezvous_store_ends_the_job_in_one_line_per_node_an
     # for the run to end before the kill.
     job.wait_for(r"^step 1/")
     everyone = descendants(job.proc.pid)
-    store = [p for p in everyone if Path(f"/proc/{p}/comm").read_text().strip() == PROCESS_NAME]
+    store = [p for p in everyone if b"hybrid.runtime.rdzv_store" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert len(store) == 1, store
     job.wait_for(r"^step 11/")
     os.kill(store[0], signal.SIGKILL)

@@ -34,8 +34,7 @@ from hybrid.app.observability.run_names import register_resolvers
 from hybrid.app.state.checkpoint import latest_manifest
 from hybrid.app.worker import run_worker
 from hybrid.runtime.agent import StoreLost
-from hybrid.runtime.fork_server import start_fork_server
-from hybrid.runtime.launch import launch_local
+from hybrid.runtime.launch import launch_local, start_agent_server
 from hybrid.runtime.link_schedule import LinkSchedule, LinkScheduler
 from hybrid.runtime.slurm import SlurmNode, in_submitit_task, slurm_restart
 from hybrid.runtime.testbed import LinkShape, Testbed, testbed_forks_agents
@@ -119,7 +118,7 @@ def _run(settings: TrainConfig, hydra_cfg: Any, run_dir: Path) -> dict[str, Any]
     else:
         check_run_dir(run_dir, settings.trainer.resume)
         if not settings.cluster.testbed.enabled or testbed_forks_agents():
-            start_fork_server(run_worker)  # its import of torch runs during the checks
+            start_agent_server(run_worker)  # its import of torch runs during the checks
         prepare(settings)
         result = launch_job(settings, run_worker, (settings, str(run_dir)), run_dir)[0]
     return result

@@ -33,12 +33,11 @@ from typing import Any
 from hybrid.runtime.cpu_limit import join_deferred
 from hybrid.runtime.distributed import store_server
 from hybrid.runtime.etcd_store import ETCD_SCHEME, live_member, retrying
-from hybrid.runtime.fork_server import name_process
 from hybrid.runtime.netns import NodeEntry, enter
 from hybrid.runtime.rdzv_store import NODE_ENV, STORE_ENV
 from hybrid.runtime.store_watch import StoreWatch
 
-__all__ = ["STORE_LOST", "StoreLost", "attempt_prefix", "nodes_at_end_key", "run_agent", "run_forked_agent", "run_node"]
+__all__ = ["STORE_LOST", "StoreLost", "attempt_prefix", "name_process", "nodes_at_end_key", "run_agent", "run_forked_agent", "run_node"]
 
 
 def attempt_prefix(run_id: str, master_addr: str, master_port: str | int) -> str:
@@ -133,6 +132,17 @@ def _write_result(job_dir: Path, node: int, status: str, payload: Any, nodes: in
     tmp = job_dir / f".result-{node}.tmp"
     tmp.write_bytes(pickle.dumps((status, payload, nodes)))
     os.replace(tmp, final)
+
+
+def name_process(name: str) -> None:
+    """Name this process (``ps -o comm``, /proc/PID/comm; at most 15 characters): agents and workers forked
+    from another process share its command line, so the name is what tells them apart."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass  # not Linux: the command line will have to do
 
 
 def _rank_and_result(entrypoint: Any, *args: Any) -> tuple[int, int, Any]:

@@ -34,19 +34,21 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from hybrid.core.topology import Layout
 from hybrid.runtime.agent import STORE_LOST, StoreLost
 from hybrid.runtime.distributed import free_port
-from hybrid.runtime.fork_server import fork, start_fork_server
-from hybrid.runtime.netns import NodeNetwork
+from hybrid.runtime.netns import NodeEntry
 from hybrid.runtime.rdzv_store import start_store
 
 __all__ = ["LOOPBACK", "PEER_GRACE_S", "LaunchError", "NodeNetwork", "free_port", "is_consequence", "launch_local",
-           "local_agent_env", "worker_threads"]
+           "local_agent_env", "start_agent_server", "worker_threads"]
 
 _LOCALHOST = "127.0.0.1"
 _RDZV_PORT_IN_NAMESPACE = 29500  # a fresh namespace has every port free
@@ -68,6 +70,17 @@ def is_consequence(message: str) -> bool:
 
 class LaunchError(RuntimeError):
     """A local job failed or timed out; the message names the node and the cause."""
+
+
+@dataclass(frozen=True)
+class NodeNetwork:
+    """Where one simulated node runs: its address, the NIC gloo binds to, how to enter it."""
+
+    address: str
+    ifname: str
+    prefix: tuple[str, ...] = ()  # e.g. ("ip", "netns", "exec", "hybrid-n0")
+    # The same place for a process forked here (root's testbed): entered in the child, no new interpreter.
+    entry: NodeEntry | None = None
 
 
 LOOPBACK = NodeNetwork(_LOCALHOST, "lo")
@@ -106,10 +119,11 @@ def launch_local(
 ) -> list[Any]:
     """Run ``entrypoint(*args)`` on every rank of ``layout``; return the results by rank.
 
-    Workers get torchrun's environment (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ``MASTER_ADDR`` ...); gloo is
-    bound to each node's NIC (loopback unless ``nodes`` says otherwise). ``max_restarts``: how often each node's
-    elastic agent restarts its workers after a failure (torchrun's ``--max-restarts``); the workers see
-    ``TORCHELASTIC_RESTART_COUNT``.
+    Workers get torchrun's environment (``RANK``, ``LOCAL_RANK``,
+    ``GROUP_RANK``, ``MASTER_ADDR`` ...); gloo is bound to each node's NIC
+    (loopback unless ``nodes`` says otherwise). ``max_restarts``: how often
+    each node's elastic agent restarts its workers after a failure (torchrun's
+    ``--max-restarts``); the workers see ``TORCHELASTIC_RESTART_COUNT``.
     ``min_nnodes`` (below the layout's nodes): elastic membership, torchrun's ``--nnodes MIN:MAX``: a lost
     node (its agent gone) does not end the job while at least ``min_nnodes`` are left, and theirs are the
     results. ``last_call_s``: how long a rendezvous that has its minimum waits for more nodes.
@@ -127,8 +141,6 @@ def launch_local(
     nodes = list(nodes) if nodes is not None else [LOOPBACK] * layout.nnodes
     minimum = min_nnodes or layout.nnodes
     _check_settings(start_method, max_restarts, timeout_s, layout, len(nodes), minimum)
-    if any(node.forks for node in nodes):  # first: the store may be forked too, and the server preloads the entry point
-        start_fork_server(entrypoint)
     store = _control_store(rdzv_backend, minimum < layout.nnodes, rdzv_endpoint, nodes, store_network)
     job_dir = _write_job(layout, nodes, entrypoint, args, timeout_s, max_restarts, minimum, last_call_s, start_method,
                          rdzv_endpoint or (store.endpoint if store is not None else None), recovery, rdzv_backend)
@@ -171,7 +183,7 @@ def _elastic_store(elastic: bool, nodes: Sequence[NodeNetwork], store_network: N
     if not elastic or store_at is None:
         return None
     port = 0 if store_at == LOOPBACK else _RDZV_PORT_IN_NAMESPACE  # 0: the store binds a free one itself
-    return start_store(store_at.address, port, store_at)
+    return start_store(store_at.address, port, store_at.prefix)
 
 
 def _control_store(rdzv_backend: str, elastic: bool, rdzv_endpoint: str | None, nodes: Sequence[NodeNetwork],
@@ -196,6 +208,62 @@ def _etcd_store(nodes: Sequence[NodeNetwork], store_network: NodeNetwork | None)
     return start_etcd(store_at.address, store_at.prefix)
 
 
+# What the agents' fork server imports once, so that no agent pays it: torch, its elastic agent, our agent, and
+# what the agent imports before forking its workers (hybrid.runtime.agent.BEFORE_FORK).
+_AGENT_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.launcher.api",
+                  "torch.distributed.elastic.multiprocessing.errors", "hybrid.runtime.agent", "hybrid.runtime.netns"]
+
+
+class _ForkedAgent:
+    """An agent process forked from multiprocessing's fork server, seen through ``subprocess.Popen``'s
+    ``pid``, ``poll``, ``wait`` and ``returncode``."""
+
+    def __init__(self, process: Any) -> None:
+        self._process = process
+        self.pid = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired("hybrid agent", timeout or 0)
+        return self._process.exitcode
+
+
+@contextmanager
+def _without_main() -> Iterator[None]:
+    """Hide the caller's ``__main__`` while multiprocessing starts a process: it would run the caller's main
+    script again there (a script that launches at its top level would launch again), and neither the fork
+    server nor an agent needs anything of it (the entry point comes from the job file)."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def start_agent_server(entrypoint: Callable[..., Any]) -> Any:
+    """Start the fork server that local agents are forked from (see :func:`_start_agent`), with torch and
+    ``entrypoint``'s module imported; return its multiprocessing context. Calling it early lets that import
+    run while the caller does other work (the trainer's checks); the first call's entry point is the one
+    preloaded, and later calls reuse the server."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([*_AGENT_PRELOAD, getattr(entrypoint, "__module__", "hybrid.runtime.agent")])
+    with _without_main():
+        forkserver.ensure_running()
+    return context
+
+
 def _start_agent(job_dir: Path, node: int, network: NodeNetwork, env: dict[str, str],
                  entrypoint: Callable[..., Any]) -> Any:
     """One node's agent, in its own session (stoppable as a whole with its workers).
@@ -206,12 +274,17 @@ def _start_agent(job_dir: Path, node: int, network: NodeNetwork, env: dict[str, 
     node on loopback runs where it was forked; a testbed node (``network.entry``) is entered in the child
     (:mod:`hybrid.runtime.netns`). A node reached only through its command prefix (a testbed in a user
     namespace) is started as ``python -m hybrid.runtime.agent`` under that prefix."""
-    if not network.forks:
+    if network.prefix and network.entry is None:
         return subprocess.Popen([*network.prefix, sys.executable, "-m", "hybrid.runtime.agent", str(job_dir), str(node)],
                                 env=env, start_new_session=True)
     from hybrid.runtime.agent import run_forked_agent
 
-    return fork(run_forked_agent, (str(job_dir), node, env, network.entry), f"hybrid-agent-{node}", entrypoint)
+    context = start_agent_server(entrypoint)
+    process = context.Process(target=run_forked_agent, args=(str(job_dir), node, env, network.entry),
+                              name=f"hybrid-agent-{node}")
+    with _without_main():
+        process.start()
+    return _ForkedAgent(process)
 
 
 def _write_job(layout: Layout, nodes: Sequence[NodeNetwork], entrypoint: Callable[..., Any], args: Sequence[Any],

@@ -11,26 +11,17 @@ node 0 included, can be lost like any other.
 It prints ``ready PORT`` once it listens (PORT 0 asks the system for a free
 one, so that no other process can take it between choosing and binding), and
 runs until its standard input closes (the launcher that started it exits, or
-closes the pipe): it cannot outlive its job. hybrid's launcher forks the same
-store from its fork server instead (:func:`start_store`; no interpreter to start),
-which says its port on a pipe and ends at that pipe's end of file.
+closes the pipe): it cannot outlive its job.
 """
 
 from __future__ import annotations
 
-import os
 import select
 import subprocess
 import sys
 import time
-from multiprocessing import Pipe
-from multiprocessing.connection import Connection
-from typing import IO
 
-from hybrid.runtime.fork_server import ForkedProcess, fork, name_process
-from hybrid.runtime.netns import NodeEntry, NodeNetwork, enter
-
-__all__ = ["NODE_ENV", "PROCESS_NAME", "STORE_ENV", "StoreProcess", "serve", "start_store"]
+__all__ = ["NODE_ENV", "STORE_ENV", "StoreProcess", "start_store", "serve"]
 
 READY = "ready"
 # Where the workers of a job whose store is off the nodes find it (the agents export it): recovery in place
@@ -38,14 +29,12 @@ READY = "ready"
 STORE_ENV = "HYBRID_RDZV_ENDPOINT"
 # A node's name as hybrid's launcher numbers it (the agent exports it; the same when the node's agent starts again).
 NODE_ENV = "HYBRID_NODE"
-PROCESS_NAME = "hybrid-rdzv"  # ps -o comm: a forked store shares the fork server's command line
 
 
 def serve(host: str, port: int) -> None:
-    """Host the store on ``host:port`` until standard input closes (``python -m hybrid.runtime.rdzv_store``)."""
+    """Host the store on ``host:port`` until standard input closes."""
     from hybrid.runtime.distributed import store_server
 
-    name_process(PROCESS_NAME)
     listener, store = store_server(host, port, 60.0)
     port = listener.getsockname()[1]
     listener.detach()  # the store owns the socket now, and closes it
@@ -54,57 +43,27 @@ def serve(host: str, port: int) -> None:
     del store
 
 
-def _serve_forked(host: str, port: int, lifeline: Connection, entry: NodeEntry | None) -> None:
-    """:func:`serve` in a process forked from the fork server: in its own session, inside ``entry``'s node if
-    given; it says its port on ``lifeline`` (or why it cannot listen) and serves until the launcher's end of it
-    closes."""
-    os.setsid()
-    name_process(PROCESS_NAME)
-    try:
-        if entry is not None:
-            enter(entry)
-        from hybrid.runtime.distributed import store_server
-
-        listener, store = store_server(host, port, 60.0)
-    except (OSError, RuntimeError) as exc:  # said to the launcher, which raises it in one line
-        lifeline.send(f"{type(exc).__name__}: {exc}")
-        sys.exit(1)
-    port = listener.getsockname()[1]
-    listener.detach()  # the store owns the socket now, and closes it
-    lifeline.send(port)
-    try:
-        lifeline.recv()  # nothing is ever sent: this returns at the end of file
-    except EOFError:
-        pass
-    del store
-
-
 class StoreProcess:
-    """The store's process, started by :func:`start_store`; ``stop()`` ends it (closing its lifeline: its stdin,
-    or the pipe a forked store reads)."""
+    """The store's process, started by :func:`start_store`; ``stop()`` ends it (closing its stdin)."""
 
-    def __init__(self, process: subprocess.Popen | ForkedProcess, endpoint: str, lifeline: IO | Connection) -> None:
-        self.process, self.endpoint, self._lifeline = process, endpoint, lifeline
+    def __init__(self, process: subprocess.Popen, endpoint: str) -> None:
+        self.process, self.endpoint = process, endpoint
 
-    def stop(self, timeout_s: float = 5.0) -> int:
-        """End the store; its exit status (0: it ended as asked)."""
-        self._lifeline.close()
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            self.process.stdin.close()
         try:
-            return self.process.wait(timeout=timeout_s)
+            self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            return self.process.wait(timeout=timeout_s)
+            self.process.wait(timeout=timeout_s)
 
 
-def start_store(host: str, port: int, network: NodeNetwork | None = None, timeout_s: float = 30.0) -> StoreProcess:
-    """Start the store on ``host:port`` (in ``network``, e.g. the testbed's service namespace; this machine's
-    own network by default) and wait until it listens (at most ``timeout_s``); RuntimeError with its own words
-    where it does not. ``port`` 0: a port the store binds itself, free for certain (a port chosen beforehand can
-    be taken by then); ``endpoint`` says it. Forked from the fork server where it can be (no interpreter to
-    start: :mod:`hybrid.runtime.fork_server`), else a command under ``network``'s prefix."""
-    if network is None or network.forks:
-        return _fork_store(host, port, network.entry if network else None, timeout_s)
-    process = subprocess.Popen([*network.prefix, sys.executable, "-m", "hybrid.runtime.rdzv_store", host, str(port)],
+def start_store(host: str, port: int, prefix: tuple[str, ...] = (), timeout_s: float = 30.0) -> StoreProcess:
+    """Start the store on ``host:port`` (inside ``prefix``, e.g. a network namespace's ``ip netns exec``) and wait
+    until it listens (at most ``timeout_s``); RuntimeError with its own words where it does not. ``port`` 0: a port
+    the store binds itself, free for certain (a port chosen beforehand can be taken by then); ``endpoint`` says it."""
+    process = subprocess.Popen([*prefix, sys.executable, "-m", "hybrid.runtime.rdzv_store", host, str(port)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     deadline = time.monotonic() + timeout_s
@@ -120,25 +79,7 @@ def start_store(host: str, port: int, network: NodeNetwork | None = None, timeou
         error = process.stderr.read().strip().splitlines()
         raise RuntimeError(f"the rendezvous store on {host}:{port} did not start: "
                            f"{error[-1] if error else 'no answer within ' + str(timeout_s) + ' s'}")
-    return StoreProcess(process, f"{host}:{int(line.split()[1])}", process.stdin)
-
-
-def _fork_store(host: str, port: int, entry: NodeEntry | None, timeout_s: float) -> StoreProcess:
-    mine, theirs = Pipe()
-    process = fork(_serve_forked, (host, port, theirs, entry), PROCESS_NAME)
-    theirs.close()  # the store's end is the store's alone: it sees the end of file when this process lets go
-    said: object = f"no answer within {timeout_s} s"
-    try:
-        if mine.poll(timeout_s):
-            said = mine.recv()
-    except EOFError:
-        said = "it exited before it listened"
-    if not isinstance(said, int):
-        mine.close()
-        process.kill()
-        process.wait(timeout=10)
-        raise RuntimeError(f"the rendezvous store on {host}:{port} did not start: {said}")
-    return StoreProcess(process, f"{host}:{said}", mine)
+    return StoreProcess(process, f"{host}:{int(line.split()[1])}")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ from types import FrameType, TracebackType
 from typing import Callable, Sequence
 
 from hybrid.runtime import cpu_limit
-from hybrid.runtime.netns import NETNS_ETC, NodeEntry, NodeNetwork
+from hybrid.runtime.launch import NodeNetwork
+from hybrid.runtime.netns import NETNS_ETC, NodeEntry
 
 __all__ = ["MAX_NICS", "LinkShape", "Testbed", "TestbedError", "cleanup_leftovers", "nic_address", "nic_names",
            "owned_namespaces", "per_node_cpus", "per_node_rates", "process_alive", "reshape_running",
@@ -361,8 +362,7 @@ class Testbed:
     @property
     def service(self) -> NodeNetwork:
         """The namespace beside the nodes that is none of them (where an elastic job's rendezvous store runs)."""
-        return NodeNetwork(SERVICE_ADDRESS, "nic0", (*self.prefix, "ip", "netns", "exec", self.service_namespace),
-                           NodeEntry(self.service_namespace) if testbed_forks_agents() else None)
+        return NodeNetwork(SERVICE_ADDRESS, "nic0", (*self.prefix, "ip", "netns", "exec", self.service_namespace))
 
     def __enter__(self) -> "Testbed":
         reason = testbed_available()
