@@ -37,14 +37,13 @@ import time
 import types
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from hybrid.core.topology import Layout
 from hybrid.runtime.agent import STORE_LOST, StoreLost
 from hybrid.runtime.distributed import free_port
-from hybrid.runtime.netns import NodeEntry
+from hybrid.runtime.netns import NodeNetwork
 from hybrid.runtime.rdzv_store import start_store
 
 __all__ = ["LOOPBACK", "PEER_GRACE_S", "LaunchError", "NodeNetwork", "free_port", "is_consequence", "launch_local",
@@ -70,17 +69,6 @@ def is_consequence(message: str) -> bool:
 
 class LaunchError(RuntimeError):
     """A local job failed or timed out; the message names the node and the cause."""
-
-
-@dataclass(frozen=True)
-class NodeNetwork:
-    """Where one simulated node runs: its address, the NIC gloo binds to, how to enter it."""
-
-    address: str
-    ifname: str
-    prefix: tuple[str, ...] = ()  # e.g. ("ip", "netns", "exec", "hybrid-n0")
-    # The same place for a process forked here (root's testbed): entered in the child, no new interpreter.
-    entry: NodeEntry | None = None
 
 
 LOOPBACK = NodeNetwork(_LOCALHOST, "lo")

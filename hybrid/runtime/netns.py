@@ -1,4 +1,5 @@
-"""Enter a testbed node from a forked process, as ``ip netns exec`` enters it for a new command.
+"""Where a simulated node runs (:class:`NodeNetwork`), and how a forked process enters a testbed node, as
+``ip netns exec`` enters it for a new command.
 
 A node of the testbed (:mod:`hybrid.runtime.testbed`) is a named network
 namespace, and its agent used to start as ``ip netns exec NS python -m
@@ -28,7 +29,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["NETNS_ETC", "NETNS_RUN", "NodeEntry", "enter"]
+__all__ = ["NETNS_ETC", "NETNS_RUN", "NodeEntry", "NodeNetwork", "enter"]
 
 NETNS_RUN = Path("/run/netns")
 NETNS_ETC = Path("/etc/netns")
@@ -50,6 +51,17 @@ class NodeEntry:
 
     netns: str
     cgroup: str = ""
+
+
+@dataclass(frozen=True)
+class NodeNetwork:
+    """Where one simulated node runs: its address, the NIC gloo binds to, how to enter it."""
+
+    address: str
+    ifname: str
+    prefix: tuple[str, ...] = ()  # a command under it runs in the node, e.g. ("ip", "netns", "exec", "hybrid-n0")
+    # The same place for a process forked here (a testbed made as root): entered in the child, no new interpreter.
+    entry: NodeEntry | None = None
 
 
 def _libc() -> ctypes.CDLL:

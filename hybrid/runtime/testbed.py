@@ -46,8 +46,7 @@ from types import FrameType, TracebackType
 from typing import Callable, Sequence
 
 from hybrid.runtime import cpu_limit
-from hybrid.runtime.launch import NodeNetwork
-from hybrid.runtime.netns import NETNS_ETC, NodeEntry
+from hybrid.runtime.netns import NETNS_ETC, NodeEntry, NodeNetwork
 
 __all__ = ["MAX_NICS", "LinkShape", "Testbed", "TestbedError", "cleanup_leftovers", "nic_address", "nic_names",
            "owned_namespaces", "per_node_cpus", "per_node_rates", "process_alive", "reshape_running",
