@@ -1,5 +1,7 @@
 """hybrid.runtime.launch: torchrun's environment per rank, errors surfaced, hung jobs stopped."""
 
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -24,6 +26,21 @@ def test_uneven_layout_gets_honest_torchrun_environment():
         assert sorted(m["LOCAL_RANK"] for m in members) == [str(i) for i in range(len(members))]
         assert {m["LOCAL_WORLD_SIZE"] for m in members} == {str(len(members))}
     assert {e["GLOO_SOCKET_IFNAME"] for e in envs} == {"lo"}
+
+
+@pytest.mark.multiprocess
+def test_a_process_that_ran_a_torch_op_gets_a_fresh_interpreter_as_its_agents_fork_server():
+    """The agents' fork server is a fork of the command only while that is safe (hybrid.runtime.forked_server):
+    once a torch op has started the intra-op thread pool, a fork's workers could wait on that pool forever, so
+    the server is multiprocessing's usual fresh interpreter (the elastic scenarios check the forked case)."""
+    code = ("import torch; from multiprocessing import forkserver\n"
+            "from hybrid.runtime.launch import start_agent_server\n"
+            "torch.set_num_threads(2); (torch.randn(512, 512) @ torch.randn(512, 512)).sum()\n"
+            "start_agent_server(print, fork_this_process=True)\n"
+            "print(open(f'/proc/{forkserver._forkserver._forkserver_pid}/cmdline').read().replace(chr(0), ' '))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "from multiprocessing.forkserver import main" in done.stdout, done.stdout
 
 
 @pytest.mark.multiprocess

@@ -14,7 +14,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -313,8 +313,12 @@ def split_config_dirs(argv: list[str]) -> tuple[list[str], list[Path]]:
     return rest, dirs
 
 
-def precheck(argv: list[str], conf_dir: Path | None = None) -> str | None:
-    """Compose, type-check and validate the config of ``argv``; return an error line or None."""
+def precheck(argv: list[str], conf_dir: Path | None = None,
+             before_prepare: Callable[[TrainConfig], None] | None = None) -> str | None:
+    """Compose, type-check and validate the config of ``argv``; return an error line or None.
+
+    ``before_prepare(settings)`` runs once the config is valid, before :func:`prepare`'s first torch op (the
+    command line forks its agents' server there)."""
     conf_dir = conf_dir or packaged_conf_dir()
     argv, user_dirs = split_config_dirs(argv)
     if any(arg.startswith("-") for arg in argv):
@@ -333,6 +337,8 @@ def precheck(argv: list[str], conf_dir: Path | None = None) -> str | None:
                              "node is lost the restarted workers resume from that run's checkpoints")
         if run_dir and not torchrun_restart():
             check_run_dir(Path(run_dir), settings.trainer.resume)
+        if before_prepare is not None:  # before check_resume too: it may load a checkpoint's tensors
+            before_prepare(settings)
         check_resume(settings.trainer.resume, Path(run_dir) if run_dir else None, settings.model.node,
                      settings.comm.algorithm)
         prepare(settings)

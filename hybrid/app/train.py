@@ -117,11 +117,19 @@ def _run(settings: TrainConfig, hydra_cfg: Any, run_dir: Path) -> dict[str, Any]
                           timeout_s=settings.cluster.launch_timeout_s, **_elastic(settings.cluster)).get(0)
     else:
         check_run_dir(run_dir, settings.trainer.resume)
-        if not settings.cluster.testbed.enabled or testbed_forks_agents():
-            start_agent_server(run_worker)  # its import of torch runs during the checks
+        _start_agent_server(settings)
         prepare(settings)
         result = launch_job(settings, run_worker, (settings, str(run_dir)), run_dir)[0]
     return result
+
+
+def _start_agent_server(settings: TrainConfig) -> None:
+    """Start the fork server of a local launch's agents, as a fork of this process: before this process's first
+    torch op (the checks'), with torch imported, so that it imports only what the agents add (a later job of
+    a sweep, or this run's own launch after the precheck, reuses it). A testbed without root starts its
+    agents as commands inside its namespaces instead."""
+    if not under_torchrun() and (not settings.cluster.testbed.enabled or testbed_forks_agents()):
+        start_agent_server(run_worker, fork_this_process=True)
 
 
 # The exit status of a job whose rendezvous store went (sysexits' EX_TEMPFAIL: try again later, here with
@@ -152,7 +160,7 @@ def main() -> None:
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled",
                      "hydra/hydra_logging=disabled", "hydra.run.dir=."]
     else:
-        error = precheck(argv)
+        error = precheck(argv, before_prepare=_start_agent_server)
         if error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)

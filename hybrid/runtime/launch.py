@@ -36,13 +36,14 @@ import tempfile
 import time
 import types
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from hybrid.core.topology import Layout
 from hybrid.runtime.agent import STORE_LOST, StoreLost
 from hybrid.runtime.distributed import free_port
+from hybrid.runtime.forked_server import forking_this_process
 from hybrid.runtime.netns import NodeNetwork
 from hybrid.runtime.rdzv_store import start_store
 
@@ -237,17 +238,20 @@ def _without_main() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-def start_agent_server(entrypoint: Callable[..., Any]) -> Any:
+def start_agent_server(entrypoint: Callable[..., Any], *, fork_this_process: bool = False) -> Any:
     """Start the fork server that local agents are forked from (see :func:`_start_agent`), with torch and
     ``entrypoint``'s module imported; return its multiprocessing context. Calling it early lets that import
     run while the caller does other work (the trainer's checks); the first call's entry point is the one
-    preloaded, and later calls reuse the server."""
+    preloaded, and later calls reuse the server.
+
+    ``fork_this_process``: the server is a fork of this process rather than a fresh interpreter
+    (:mod:`hybrid.runtime.forked_server`), for a caller that has imported torch and has run no torch op."""
     import multiprocessing
     from multiprocessing import forkserver
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([*_AGENT_PRELOAD, getattr(entrypoint, "__module__", "hybrid.runtime.agent")])
-    with _without_main():
+    with _without_main(), (forking_this_process() if fork_this_process else nullcontext()):
         forkserver.ensure_running()
     return context
 

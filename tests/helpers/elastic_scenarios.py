@@ -65,7 +65,7 @@ def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, sto
     import signal
     import time
 
-    from helpers.processes import describe_processes, workers
+    from helpers.processes import describe_processes, forks_of, workers
 
     job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
               "cluster.recovery=in_place", f"comm={comm}", "comm.timeout_s=60", *store,
@@ -74,7 +74,9 @@ def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, sto
     job.wait_for(r"^step 1/", timeout=180)
     # The process tree is read before step 11, not after it: on a busy machine reading /proc took long enough
     # for three more steps to complete before the kill (in place resumed at 14, seen once in CI).
-    everything = [job.proc.pid, *descendants(job.proc.pid)]  # the store, the agents, the workers
+    everything = [job.proc.pid, *descendants(job.proc.pid)]  # the fork server, the agents, the workers
+    # The agents' fork server is a fork of the command (hybrid.runtime.forked_server), and ends with the rest.
+    assert len(forks_of(job.proc.pid)) == 1, describe_processes(everything)
     before = workers(job.proc.pid)
     agent = agent_of_node(job.proc.pid, lost)
     killed = [agent, *descendants(agent)]

@@ -111,6 +111,13 @@ def agent_of_node(root: int, node: int) -> int:
     return found[0]
 
 
+def forks_of(root: int) -> list[int]:
+    """The children of ``root`` that run its own command line and are not named by hybrid: what it forked rather
+    than started (its agents' fork server, when forked from ``python -m hybrid.train``)."""
+    return sorted(pid for pid, parent in ((p, _parent(p)) for p in descendants(root)) if parent == root
+                  and _argv(pid) == _argv(root) and not _name(pid).startswith("hybrid-"))
+
+
 def hybrid_processes() -> list[int]:
     """Every agent and worker of a hybrid job that this test session started, by name, orphans included: they
     keep the session's environment (``SESSION_VAR``), which another session's jobs do not have."""
