@@ -43,6 +43,30 @@ def test_a_process_that_ran_a_torch_op_gets_a_fresh_interpreter_as_its_agents_fo
     assert "from multiprocessing.forkserver import main" in done.stdout, done.stdout
 
 
+@pytest.mark.unit
+def test_an_agents_rendezvous_events_get_the_names_torchs_own_lookup_gives(monkeypatch):
+    """hybrid's agents name torch's rendezvous events from the frame, not by reading every frame's source
+    (hybrid.runtime.agent.name_rendezvous_events_cheaply): the names stay the ones torch's lookup gives."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from hybrid.runtime import agent
+
+    torchs = dynamic_rendezvous.get_method_name
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", torchs)  # put back after the test
+
+    def _record(name_of, depth):  # as torch's _record asks: the method that called _record
+        return name_of(depth) if depth is not None else name_of()
+
+    def _keep_alive(name_of, depth=None):
+        return _record(name_of, depth)
+
+    agent.name_rendezvous_events_cheaply()
+    assert dynamic_rendezvous.get_method_name is not torchs
+    for depth in (None, 1, 3, 10_000):
+        assert _keep_alive(dynamic_rendezvous.get_method_name, depth) == _keep_alive(torchs, depth)
+    assert _keep_alive(dynamic_rendezvous.get_method_name) == "_keep_alive"
+
+
 @pytest.mark.multiprocess
 def test_worker_exception_is_surfaced_with_its_message():
     with pytest.raises(LaunchError, match="boom-42"):
