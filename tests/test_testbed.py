@@ -96,8 +96,11 @@ def test_bench_counts_the_bytes_crossing_each_nic_and_the_link_caps_utilisation(
         row = rows[name]
         # Headers and a few barrier messages on top of the payload, never less than it.
         assert payload <= row["nic_tx_bytes"] < 1.15 * payload, (name, row["nic_tx_bytes"])
-        # The shaping caps what a NIC can move; the wire bytes include the headers tbf counts.
-        assert 0.2 < row["link_utilisation"] <= 1.05, (name, row["link_utilisation"])
+        # The shaping caps what a NIC can move (the wire bytes include the headers tbf counts), but for tbf's
+        # bucket, sent at line speed after a pause: an iteration may beat the rate by bucket / its bytes (1.057
+        # was seen against a flat 1.05 for 2 MiB). 2% more for where the timed window and the counters differ.
+        bound = 1.02 + LinkShape(link_mbit).bucket_kb * 1024 / row["nic_tx_bytes"]
+        assert 0.2 < row["link_utilisation"] <= bound, (name, row["link_utilisation"], bound)
     assert ours() == []
 
 

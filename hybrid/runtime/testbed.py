@@ -257,9 +257,15 @@ class LinkShape:
         if self.burst_kb < 0 or not self.latency_ms > 0:
             raise ValueError(f"burst_kb={self.burst_kb} must be >= 0 and latency_ms={self.latency_ms} > 0")
 
+    @property
+    def bucket_kb(self) -> float:
+        """tbf's bucket: what a NIC may send at line speed after a pause, on top of the rate (a transfer
+        of B bytes may so run at up to 1 + bucket / B of the rate)."""
+        return self.burst_kb or max(64.0, self.rate_mbit * 1e6 / 8 * 0.004 / 1024)
+
     def tbf_args(self) -> list[str]:
-        burst = self.burst_kb or max(64.0, self.rate_mbit * 1e6 / 8 * 0.004 / 1024)
-        return ["tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", f"{burst:.0f}kb", "latency", f"{self.latency_ms:g}ms"]
+        return ["tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", f"{self.bucket_kb:.0f}kb", "latency",
+                f"{self.latency_ms:g}ms"]
 
 
 class _UserNamespace:
