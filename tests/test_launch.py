@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,11 @@ def test_uneven_layout_gets_honest_torchrun_environment():
         assert sorted(m["LOCAL_RANK"] for m in members) == [str(i) for i in range(len(members))]
         assert {m["LOCAL_WORLD_SIZE"] for m in members} == {str(len(members))}
     assert {e["GLOO_SOCKET_IFNAME"] for e in envs} == {"lo"}
+    # torch's agent keeps its workers' error files in the job's folder, which the launch removes, not in a
+    # torchelastic_* folder of its own left in the temp dir by every launch.
+    folders = {str(p) for e in envs for p in Path(e["TORCHELASTIC_ERROR_FILE"]).parents
+               if p.name.startswith("hybrid-job-")}
+    assert len(folders) == 1 and not Path(folders.pop()).exists(), [e["TORCHELASTIC_ERROR_FILE"] for e in envs]
 
 
 @pytest.mark.multiprocess

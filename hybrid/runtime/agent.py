@@ -204,6 +204,7 @@ def run_node(
     external_store: bool = False,
     keep_workers_on_join: bool = False,
     rdzv_backend: str = "c10d",
+    log_dir: str | None = None,
 ) -> dict[int, Any]:
     """Run this node's elastic agent and its workers; return the workers' results by global rank.
 
@@ -222,7 +223,10 @@ def run_node(
     that comes back is taken into the rendezvous without restarting this node's workers (:func:`_agent_class`).
     ``rdzv_backend="etcd"``: ``rdzv_endpoint`` names the members of an etcd cluster (``H1:P1,H2:P2,...``), which
     torch's etcd-v2 rendezvous and the workers' quorum use (:mod:`hybrid.runtime.etcd_store`); no node hosts it.
+    ``log_dir``: where torch's agent keeps its workers' error files (the local launcher's job folder, removed
+    with it); None: a ``torchelastic_*`` folder of its own in the temp dir, as torchrun, left there.
     """
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     on_etcd = rdzv_backend == "etcd"
@@ -238,7 +242,7 @@ def run_node(
     config = LaunchConfig(min_nodes=minimum, max_nodes=nnodes, nproc_per_node=nproc_per_node, run_id=run_id,
                           rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
                           max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method,
-                          local_addr=local_addr)
+                          local_addr=local_addr, logs_specs=DefaultLogsSpecs(log_dir=log_dir))
     per_local_rank = elastic_launch(config, _rank_and_result)(entrypoint, *args)
     nodes = min(nodes for _, nodes, _ in per_local_rank.values())
     if bind_store and not external_store:  # the server is dropped only after this, when run_node returns
@@ -371,6 +375,7 @@ def run_agent(job_dir: Path, node: int) -> int:
             min_nnodes=meta.get("min_nnodes"), last_call_s=int(meta.get("last_call_s", 10)),
             start_method=meta.get("start_method", "spawn"), external_store=bool(meta.get("external_store")),
             keep_workers_on_join=meta.get("recovery") == "in_place", rdzv_backend=meta.get("rdzv_backend", "c10d"),
+            log_dir=str(job_dir / "logs"),
         )
         _write_result(job_dir, node, "ok", by_rank, LAST_MEMBERSHIP_NODES[0])
         return 0

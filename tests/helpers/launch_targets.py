@@ -5,7 +5,8 @@ import threading
 
 
 def report_env() -> dict:
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GLOO_SOCKET_IFNAME")
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GLOO_SOCKET_IFNAME",
+            "TORCHELASTIC_ERROR_FILE")
     return {k: os.environ.get(k) for k in keys}
 
 
