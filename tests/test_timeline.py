@@ -39,8 +39,9 @@ def test_recorder_splits_backward_at_the_last_gradient_and_keeps_spans_only_in_t
         rec.backward(loss)
         times = rec.end_step()
         assert times.segments["backward"] >= 0.02
-        # No DDP: nothing waits after the last gradient (the split may leave a sliver of autograd's own exit).
-        assert times.segments["comm_wait"] < 0.005
+        # No DDP: nothing waits after the last gradient, only a sliver of autograd's own exit (8 ms once on a busy
+        # machine): the 20 ms before the first gradient are backward's, not comm_wait's.
+        assert times.segments["comm_wait"] < times.segments["backward"] / 2
         assert times.segments["data"] > 0 and times.segments["forward"] > 0
     spans = rec.take_spans()
     assert {s.step for s in spans} == {2}  # step 1 ran outside the window
