@@ -208,23 +208,20 @@ def run_node(
 ) -> dict[int, Any]:
     """Run this node's elastic agent and its workers; return the workers' results by global rank.
 
-    Shared by the simulated nodes of :mod:`hybrid.runtime.launch` and the Slurm nodes of :mod:`hybrid.runtime.slurm`.
-    ``bind_store``: node 0 starts the rendezvous store itself, on the endpoint's address only (module docstring);
-    without it torch's c10d rendezvous opens the store as under torchrun, on every interface. ``local_addr``: this node's address as the workers
-    see it (``MASTER_ADDR`` when rank 0 is here); None: the hostname, as
-    torchrun does. A failed worker raises torch's ``ChildFailedError``. ``min_nnodes`` below ``nnodes``:
-    elastic membership (torchrun's ``--nnodes MIN:MAX``): the rendezvous completes with at least that many
-    nodes after waiting ``last_call_s`` for more, a node without a heartbeat for ~3 s is dropped, and a node
-    that (re)joins waits until the running agents see it and restart their workers on the larger membership.
-    ``start_method``: torchrun's ``--start-method``: ``spawn`` (a fresh interpreter each, torchrun's default) or
-    ``fork`` (a copy of this agent, with torch and the entry point imported, no accelerator touched).
-    ``external_store``: the store at ``rdzv_endpoint`` is off the nodes (:mod:`hybrid.runtime.rdzv_store`):
-    every agent joins it as a client, node 0 included. ``keep_workers_on_join`` (recovery in place): a node
-    that comes back is taken into the rendezvous without restarting this node's workers (:func:`_agent_class`).
-    ``rdzv_backend="etcd"``: ``rdzv_endpoint`` names the members of an etcd cluster (``H1:P1,H2:P2,...``), which
-    torch's etcd-v2 rendezvous and the workers' quorum use (:mod:`hybrid.runtime.etcd_store`); no node hosts it.
-    ``log_dir``: where torch's agent keeps its workers' error files (the local launcher's job folder, removed
-    with it); None: a ``torchelastic_*`` folder of its own in the temp dir, as torchrun, left there.
+    Shared by :mod:`hybrid.runtime.launch` and :mod:`hybrid.runtime.slurm`. ``bind_store``: node 0 starts the
+    rendezvous store itself, on the endpoint's address only; without it torch's c10d rendezvous opens the store as
+    under torchrun, on every interface. ``local_addr``: this node's address as the workers see it (``MASTER_ADDR``
+    when rank 0 is here); None: the hostname, as torchrun does. A failed worker raises torch's ``ChildFailedError``.
+    ``min_nnodes`` below ``nnodes``: elastic membership (torchrun's ``--nnodes MIN:MAX``): the rendezvous completes
+    with at least that many nodes after waiting ``last_call_s`` for more, a node without a heartbeat for ~3 s is
+    dropped, and a node that (re)joins waits until the running agents see it and restart their workers on the larger
+    membership. ``start_method``: torchrun's ``--start-method`` (``spawn``, or ``fork``: a copy of this agent, no
+    accelerator touched). ``external_store``: the store at ``rdzv_endpoint`` is off the nodes
+    (:mod:`hybrid.runtime.rdzv_store`), every agent its client. ``keep_workers_on_join`` (recovery in place): a node
+    that comes back is taken in without restarting this node's workers (:func:`_agent_class`).
+    ``rdzv_backend="etcd"``: ``rdzv_endpoint`` names the members of an etcd cluster (``H1:P1,H2:P2,...``) for torch's
+    etcd-v2 rendezvous and the workers' quorum (:mod:`hybrid.runtime.etcd_store`). ``log_dir``: for the workers' error
+    files (None: torch's ``torchelastic_*`` folder in the temp dir).
     """
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -233,9 +230,8 @@ def run_node(
     external_store = external_store or on_etcd
     _prepare_agent(node_rank, (ETCD_SCHEME + rdzv_endpoint if on_etcd else rdzv_endpoint) if external_store else None,
                    keep_workers_on_join)
-    # Kept alive (referenced) until the job ends.
     hosts = node_rank == 0 and not external_store
-    server = store_server(*_split(rdzv_endpoint), timeout_s) if hosts and bind_store else None
+    server = store_server(*_split(rdzv_endpoint), timeout_s) if hosts and bind_store else None  # kept until the end
     minimum = min_nnodes or nnodes
     backend, endpoint, rdzv_configs = _rendezvous(on_etcd, rdzv_endpoint, hosts, timeout_s, minimum < nnodes,
                                                   last_call_s)
