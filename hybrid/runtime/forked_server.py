@@ -22,7 +22,7 @@ import sys
 import threading
 import traceback
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch  # noqa: F401  (before the thread count below)
 
@@ -57,12 +57,14 @@ def forking_this_process() -> Iterator[None]:
     spawn = util.spawnv_passfds
 
     def fork_instead(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:
-        code = args[list(args).index("-c") + 1] if "-c" in args else ""
         global _forked
+        code = args[list(args).index("-c") + 1] if "-c" in args else ""
         if (_forked or "multiprocessing.forkserver" not in code or not os.path.isdir("/proc/self/fd")
                 or not 0 < _native_threads() <= _THREADS_AFTER_TORCH):
             return spawn(path, args, passfds)
         _forked = True
+        for stream in (sys.stdout, sys.stderr):  # else the child's copy of what is buffered is written again
+            stream.flush()
         pid = os.fork()
         if pid == 0:  # the server: never returns into the caller's code
             status = 1
@@ -95,9 +97,8 @@ def _as_a_fresh_interpreter(passfds: Sequence[int]) -> None:
         root.removeHandler(handler)
         handler.close()
     root.setLevel(logging.WARNING)
-    _close_other_ends(passfds, _pipe_of)
+    _close_other_ends(passfds)
     forkserver._forkserver._lock = threading.Lock()  # the parent held it while it forked
-    sys.stdout.flush()
 
 
 def _pipe_of(fd: int) -> str | None:
@@ -108,11 +109,11 @@ def _pipe_of(fd: int) -> str | None:
     return target if target.startswith("pipe:") else None
 
 
-def _close_other_ends(passfds: Sequence[int], pipe_of: Callable[[int], str | None]) -> None:
+def _close_other_ends(passfds: Sequence[int]) -> None:
     """Close this process's other descriptors of every pipe in ``passfds`` (the parent's write end of the alive
     pipe: the server would otherwise keep itself alive)."""
-    pipes = {pipe_of(fd) for fd in passfds} - {None}
+    pipes = {_pipe_of(fd) for fd in passfds} - {None}
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
-        if fd not in passfds and fd > 2 and pipe_of(fd) in pipes:
+        if fd not in passfds and fd > 2 and _pipe_of(fd) in pipes:
             os.close(fd)
