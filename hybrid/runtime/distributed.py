@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hybrid.core.topology import WorkerEnv
 
 __all__ = ["all_gather_object", "broadcast_from_rank0", "cut_connections", "free_port", "init_distributed",
-           "listening_socket", "shutdown_distributed", "socket_inodes"]
+           "listening_socket", "open_descriptors", "shutdown_distributed", "socket_inodes"]
 
 
 def init_distributed(timeout_s: float = 300.0, store: Any = None, env: WorkerEnv | None = None) -> WorkerEnv:
@@ -124,18 +124,24 @@ def store_server(host: str, port: int, timeout_s: float) -> tuple[socket.socket,
     return listener, store
 
 
-def socket_inodes() -> set[str]:
-    """The sockets this process holds now (``socket:[inode]``; empty where /proc is not there)."""
+def open_descriptors(kind: str) -> dict[int, str]:
+    """This process's open descriptors of one kind (``socket:``, ``pipe:``), each with what it is
+    (``socket:[inode]``), read from /proc/self/fd; empty where /proc is not there."""
     fds = Path("/proc/self/fd")
-    found = set()
-    for entry in fds.iterdir() if fds.is_dir() else ():
+    found = {}
+    for entry in list(fds.iterdir()) if fds.is_dir() else ():
         try:
             link = os.readlink(entry)
-        except OSError:
+        except OSError:  # gone meanwhile (the listing's own descriptor among them)
             continue
-        if link.startswith("socket:"):
-            found.add(link)
+        if link.startswith(kind):
+            found[int(entry.name)] = link
     return found
+
+
+def socket_inodes() -> set[str]:
+    """The sockets this process holds now (``socket:[inode]``; empty where /proc is not there)."""
+    return set(open_descriptors("socket:").values())
 
 
 def cut_connections(keep: list[tuple[str, int]], spare: set[str]) -> int:
@@ -148,17 +154,16 @@ def cut_connections(keep: list[tuple[str, int]], spare: set[str]) -> int:
     blocked in one (DDP's hook, the ordered stream) holds such references. Shut down, every pending
     collective of this process fails at once, and so does every peer's that waits on it. Linux
     (/proc/self/fd); elsewhere nothing is cut. Returns how many were."""
-    fds = Path("/proc/self/fd")
-    if not fds.is_dir():
+    sockets = open_descriptors("socket:")
+    if not sockets:
         return 0
     stores = {(socket.gethostbyname(host), port) for host, port in keep}
     cut = 0
-    for entry in list(fds.iterdir()):
+    for fd, link in sockets.items():
+        if link in spare:
+            continue
         try:
-            link = os.readlink(entry)
-            if not link.startswith("socket:") or link in spare:
-                continue
-            sock = socket.socket(fileno=os.dup(int(entry.name)))
+            sock = socket.socket(fileno=os.dup(fd))
         except (OSError, ValueError):  # gone meanwhile, or a family Python does not know (netlink, say)
             continue
         try:

@@ -9,9 +9,9 @@ rest of its preload left to import.
 
 The server is multiprocessing's own (``multiprocessing.forkserver.main``, the command it would have run); only
 how its process starts changes. The child is made to look as the fresh interpreter would: no logging handlers
-(the parent's Hydra handlers on the root logger would write into its run's log), and none of the parent's ends of the pipes passed
-to it (the server ends when its last client closes the "alive" pipe, so the parent's end must not live on in
-it), and a fresh lock for the server's bookkeeping (copied while held).
+(the parent's Hydra handlers on the root logger would write into its run's log), none of the parent's ends of
+the pipes passed to it (the server ends when its last client closes the "alive" pipe, so the parent's end must
+not live on in it), and a fresh lock for the server's bookkeeping (copied while held).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch  # noqa: F401  (before the thread count below)
+
+from hybrid.runtime.distributed import open_descriptors
 
 __all__ = ["forking_this_process"]
 
@@ -101,19 +103,11 @@ def _as_a_fresh_interpreter(passfds: Sequence[int]) -> None:
     forkserver._forkserver._lock = threading.Lock()  # the parent held it while it forked
 
 
-def _pipe_of(fd: int) -> str | None:
-    try:
-        target = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return None
-    return target if target.startswith("pipe:") else None
-
-
 def _close_other_ends(passfds: Sequence[int]) -> None:
     """Close this process's other descriptors of every pipe in ``passfds`` (the parent's write end of the alive
     pipe: the server would otherwise keep itself alive)."""
-    pipes = {_pipe_of(fd) for fd in passfds} - {None}
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd not in passfds and fd > 2 and _pipe_of(fd) in pipes:
+    pipes = open_descriptors("pipe:")
+    passed = {pipes[fd] for fd in passfds if fd in pipes}
+    for fd, pipe in pipes.items():
+        if fd not in passfds and fd > 2 and pipe in passed:
             os.close(fd)
