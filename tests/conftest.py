@@ -19,11 +19,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import background  # noqa: E402 (after the path above)
-from helpers.processes import SESSION_VAR  # noqa: E402
+from helpers.processes import SESSION_ENV, SESSION_VAR  # noqa: E402
 
 # Every process this session starts inherits it, before any is started: what tells this session's jobs from those
 # of another session running meanwhile (the slurm and etcd tiers, when run by hand meanwhile).
 os.environ[SESSION_VAR] = uuid.uuid4().hex
+# The environment the suite's jobs start with, as it is now: a background job that starts while a test beside it
+# has monkeypatched a variable (TORCHELASTIC_RUN_ID: "under torchrun") must not inherit that.
+SESSION_ENV.update(os.environ)
 
 TIERS = ("unit", "multiprocess", "testbed", "packaging", "slurm", "etcd")
 # Tiers that need Debian's packages: run only with their option (.ci/run installs the packages and runs them).

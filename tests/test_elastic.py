@@ -9,6 +9,7 @@ A 2x2 run stops after 10 steps (global batch 4 x 8 = 32 of 256 samples: epoch 0 
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -204,17 +205,48 @@ def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membersh
     a_node_killed_restart(nproc, comm, lost, tmp_path)
 
 
-# In place (cluster.recovery=in_place): the survivors keep their processes. Node 2 of 3x2 sharded here; node 0 of
-# 3x1 (the store is off the nodes, so it is lost like any other, and the new rank 0 writes the metrics) in the
-# rejoin test below.
-@pytest.mark.parametrize("nproc, comm, lost", [(2, "sharded", 2)])
+# In place in the modes that keep state beside the weights (DiLoCo's outer state, ZeRO's shards, adaptive's mode):
+# the survivors keep their own and nothing moves among them; a node that comes back gets each part from a live peer.
+@pytest.mark.background  # mostly waits (the lost node's heartbeat, its agent's start again): beside the first tiers
+def test_in_place_zero_inside_the_node_loses_no_shard_and_a_returning_node_gets_them_from_its_local_ranks(tmp_path):
+    """3x2 comm=sharded with comm.shard_optimizer=true and AdamW: node 2 SIGKILLed after step 12, the survivors go
+    on with their own shards (every node holds every shard), and node 2's agent started again joins in place:
+    its worker of local rank j receives shard j from the worker of local rank j on node 0, the model from rank 0,
+    and the run ends on 3 nodes with identical replicas."""
+    out = a_node_killed_in_place(2, "sharded", 2, tmp_path, extra=("comm.shard_optimizer=true", "optim=adamw"),
+                                 after=12, steps=250, back=True)
+    joined = re.findall(r"^in place: state as of step \d+ .*", out, re.MULTILINE)[-1]
+    received = dict(re.findall(r"rank (\d) <- ([^;]+)", joined))
+    assert sorted(received) == ["4", "5"], joined  # only the returning node's workers received anything
+    assert re.search(r"optimizer [\d.]+ [KMG]iB from rank 0", received["4"]), joined
+    assert re.search(r"optimizer [\d.]+ [KMG]iB from rank 1", received["5"]), joined
+
+
 @pytest.mark.background  # mostly waits (the lost node's heartbeat): beside the first tiers
-def test_in_place_a_killed_node_costs_no_restart_and_at_most_the_step_in_flight(nproc, comm, lost, tmp_path):
-    """3 nodes, cluster.min_nnodes=2, cluster.recovery=in_place: node ``lost``'s agent and workers are
-    SIGKILLed mid-run. The other nodes' workers are the same processes before and after; they agree on the
-    new membership, continue from the last step one of them completed (no checkpoint read), finish every
-    step with identical replicas, and leave no process behind."""
-    a_node_killed_in_place(nproc, comm, lost, tmp_path)
+def test_in_place_streaming_diloco_goes_on_with_each_nodes_own_weights_and_syncs_over_the_survivors(tmp_path):
+    """3x2 comm=diloco, H=8 in 2 fragments, overlapped, fp8: node 2 SIGKILLed after step 12 (an exchange that
+    included it left at step 12): every survivor redoes it over the survivors (or all keep it, where it
+    arrived), nothing is read from disk, and the run ends with one model on every rank."""
+    import json
+
+    a_node_killed_in_place(2, "diloco", 2, tmp_path, after=12, steps=24,
+                           extra=("comm.sync_every=8", "comm.fragments=2", "comm.overlap=true", "comm.inter_compression=fp8"))
+    diloco = json.loads((tmp_path / "run" / "metrics.json").read_text())["diloco"]
+    assert (diloco["fragments"], diloco["overlap"], diloco["compression"]) == (2, True, "fp8")
+    assert diloco["outer_steps"] >= 6  # fragments sync every 4 steps: 4, 8, ..., 24, and the end's
+
+
+@pytest.mark.background  # mostly waits (the lost node's heartbeat): beside the first tiers
+def test_in_place_adaptive_loses_a_node_inside_a_diloco_phase_and_switches_back_on_the_survivors(tmp_path):
+    """3x1 comm=adaptive, DiLoCo from step 4 to 14 (comm.adapt_plan): node 2 SIGKILLed after step 12, inside the
+    DiLoCo phase; the survivors go on in it and leave it at step 14 together, ending identical."""
+    import json
+
+    a_node_killed_in_place(1, "adaptive", 2, tmp_path, after=12, steps=24,
+                           extra=("comm.adapt_every=0", "comm.adapt_plan=[[4,diloco],[14,hierarchical]]",
+                                  "comm.sync_every=4"))
+    switches = json.loads((tmp_path / "run" / "metrics.json").read_text())["switches"]
+    assert [(s["step"], s["to"]) for s in switches] == [(4, "diloco H=4"), (14, "hierarchical")]
 
 
 # In place only: with restarts the same scenario (and the late node's restart count, which once stalled it) is

@@ -15,6 +15,7 @@ import pytest
 
 from helpers import background
 from helpers.documented import EXAMPLES, REPO, examples_on
+from helpers.processes import job_env
 
 PAGES = {"ddp_torchrun.py": "README.md", "lightning_ddp.py": "docs/integrations.md",
          "hf_trainer.py": "docs/integrations.md", "accelerate_loop.py": "docs/integrations.md",
@@ -65,7 +66,7 @@ def run_documented(command: str, timeout_s: float = 180) -> tuple[str, str, str]
     before = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
     shell = background.track(subprocess.Popen(["bash", "-c", command], cwd=REPO, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                              env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"}))
+                                              env=job_env(GLOO_SOCKET_IFNAME="lo")))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(shell.stdout), daemon=True)  # every line, as it comes
     reader.start()

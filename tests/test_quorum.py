@@ -103,3 +103,32 @@ def test_a_worker_that_checked_in_is_in_though_its_heartbeat_then_stands_still(s
     assert len(set(results.values())) == 1, results
     new = results[Member(0, 0)]
     assert new.nodes == (0, 1, 2) and [(m.node, m.step) for m in new.members][-2:] == [(2, 7), (2, 7)]
+
+
+def test_a_running_workers_heartbeat_is_told_once_when_a_peer_checks_in_for_the_next_epoch(store):
+    """A DiLoCo node between its syncs has no collective to fail: its heartbeat must tell it that another worker
+    checked in after a failure, once per epoch, and not before anyone has."""
+    import time
+
+    quorum = Quorum(store, "t6", 0.3, 5.0)
+    told = threading.Event()
+    count = []
+    epoch = [0]
+
+    def on_recovery():
+        count.append(epoch[0])
+        told.set()
+
+    client = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+    heart = quorum.heartbeat(Member(0, 0), client, epoch=lambda: epoch[0], on_recovery=on_recovery)
+    try:
+        assert not told.wait(0.5)  # nobody has checked in: nothing said
+        quorum.check_in(THREE_BY_TWO, Member(2, 1, 11))
+        quorum.check_in(THREE_BY_TWO, Member(2, 0, 11))
+        assert told.wait(5.0)
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:  # more beats, more check-ins of the same epoch: told only once
+            time.sleep(0.05)
+        assert count == [0]
+    finally:
+        heart.stop()

@@ -322,7 +322,9 @@ class CommConfig:
             why = {"flat": "has no intra-node phase to gather the updated parameters over",
                    "auto": "may choose flat, which has no intra-node phase to gather parameters over",
                    "hsdp": "shards the optimizer already, with the parameters (FSDP2)",
-                   DILOCO: "steps its inner optimizer under torch's own DDP inside the node"}[self.algorithm]
+                   DILOCO: "steps its inner optimizer under torch's own DDP inside the node",
+                   ADAPTIVE: "moves into DiLoCo, which steps its inner optimizer under torch's own DDP inside the "
+                             "node"}[self.algorithm]
             raise ValueError(f"comm.shard_optimizer=true is not available with comm={self.algorithm}, which {why}: "
                              f"use comm={' or comm='.join(SHARDS_OPTIMIZER)}")
         if self.algorithm == "ddp":
@@ -543,10 +545,13 @@ def validate(cfg: TrainSchema) -> TrainConfig:
     _validate_cluster(cfg.cluster)
     cfg.comm.__post_init__()  # algorithm, backends, bucket size, timeout
     _validate_recovery(cfg.cluster, cfg.comm.algorithm)
-    if cfg.cluster.recovery == IN_PLACE and cfg.comm.shard_optimizer:
-        raise ValueError("cluster.recovery=in_place is not available with comm.shard_optimizer=true yet (a survivor "
-                         "holds only its shard of the optimizer in memory): use cluster.recovery=restart, which "
-                         "resumes from the last checkpoint")
+    if cfg.cluster.recovery == IN_PLACE and cfg.comm.shard_optimizer and cfg.comm.algorithm == "ddp":
+        raise ValueError(IN_PLACE_REFUSALS["ddp+shard_optimizer"])
+    if cfg.cluster.intra_mode == "thread" and cfg.comm.algorithm != "hierarchical":
+        raise ValueError(
+            f"comm={cfg.comm.algorithm} is not available with cluster.intra_mode=thread, which is hierarchical by "
+            "construction (reduce inside the node process, all-reduce among node processes): use comm=hierarchical"
+        )
     if cfg.comm.adapt_every and (cfg.cluster.nnodes < 2 or cfg.cluster.intra_mode != "process"):
         raise ValueError(f"comm.adapt_every={cfg.comm.adapt_every} measures the link between nodes in process mode: "
                          f"cluster.nnodes={cfg.cluster.nnodes} must be >= 2 with cluster.intra_mode=process")
@@ -556,11 +561,6 @@ def validate(cfg: TrainSchema) -> TrainConfig:
     if cfg.cluster.intra_mode == "thread" and cfg.comm.shard_optimizer:
         raise ValueError("comm.shard_optimizer=true shards the optimizer over a node's worker processes; "
                          "cluster.intra_mode=thread runs one process per node: use cluster.intra_mode=process")
-    if cfg.cluster.intra_mode == "thread" and cfg.comm.algorithm != "hierarchical":
-        raise ValueError(
-            f"comm={cfg.comm.algorithm} is not available with cluster.intra_mode=thread, which is hierarchical by "
-            "construction (reduce inside the node process, all-reduce among node processes): use comm=hierarchical"
-        )
     model, _ = component_of("model", cfg.model)
     dataset, loader = component_of("data", cfg.data, DATA_KEYS)
     data = DataConfig(_with_input_kind(dataset, model), **loader)
@@ -583,10 +583,19 @@ def _validate_recovery(c: ClusterConfig, comm: str) -> None:
     if not 0 < c.min_nnodes < c.nnodes:
         raise ValueError(f"cluster.recovery=in_place needs an elastic job: cluster.min_nnodes={c.min_nnodes} must be "
                          f"in 1..{c.nnodes - 1} (below cluster.nnodes={c.nnodes})")
-    if c.intra_mode != "process" or comm in (DILOCO, ADAPTIVE, "hsdp"):
-        what = "cluster.intra_mode=thread" if c.intra_mode != "process" else f"comm={comm}"
-        raise ValueError(f"cluster.recovery=in_place is not available with {what}: it rebuilds DDP's groups in "
-                         "process mode (comm ddp, flat, hierarchical, sharded, auto); use cluster.recovery=restart")
+    if comm in IN_PLACE_REFUSALS:
+        raise ValueError(IN_PLACE_REFUSALS[comm])
+
+
+# What cluster.recovery=in_place refuses, and why (docs/compatibility.md's table is held to these).
+IN_PLACE_REFUSALS = {
+    "ddp+shard_optimizer": "cluster.recovery=in_place is not available with comm=ddp and comm.shard_optimizer=true: "
+                           "torch's ZeroRedundancyOptimizer shards the optimizer over every rank of the job, so a "
+                           "lost node takes shards no survivor holds; use comm=sharded or comm=hierarchical, which "
+                           "shard inside the node (every node holds every shard), or cluster.recovery=restart",
+    "hsdp": "cluster.recovery=in_place is not available with comm=hsdp: FSDP2's mesh and sharded modules are "
+            "built once over the job's first group; use cluster.recovery=restart",
+}
 
 
 def _validate_etcd(c: ClusterConfig) -> None:

@@ -132,6 +132,7 @@ def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.opti
     recorder = processor.recorder
     progress = progress if progress is not None else Progress()
     progress.step, progress.data = start_step, stream.state()
+    progress.optimizer_updates = getattr(optimizer, "updates", 0)
     for step in range(start_step, last):
         done = step + 1
         if before_step is not None:
@@ -142,6 +143,7 @@ def train_loop(trainer: TrainerConfig, replicas: Replicas, optimizer: torch.opti
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # honest step time; this is a local wait, not a collective
         progress.step, progress.data, progress.step_s = done, stream.state(), time.perf_counter() - started
+        progress.optimizer_updates = getattr(optimizer, "updates", 0)
         processor.step_done(done, loss, progress.step_s, scheduler.get_last_lr()[0], last)
         if trainer.check_replicas_every and done % trainer.check_replicas_every == 0:
             with recorder.span("check_replicas"):

@@ -29,7 +29,7 @@ from hybrid.app.replicas.base import SHARDED_STATE_KIND, PlainState, StateAccess
 from hybrid.app.replicas.diloco import CHECKPOINT_KEY as DILOCO_KEY
 from hybrid.app.state import error_feedback
 from hybrid.app.state.checkpoint import checkpoint_steps, load_checkpoint
-from hybrid.app.state.in_memory import HeldState, Progress
+from hybrid.app.state.in_memory import HELD_OUTER_KEY, HeldState, Progress
 from hybrid.app.state.membership import RunLayout, apply_lr_policy, describe_change, history_after_resume, start_history
 from hybrid.app.targets import Component, ComponentError, current_target, first_line
 from hybrid.runtime.distributed import all_gather_object, broadcast_from_rank0
@@ -176,7 +176,7 @@ def restore_training(trainer: TrainerConfig, model_config: Component, run_path: 
         lr = apply_lr_policy(trainer.elastic_lr, saved, now, optimizer, scheduler)
         metrics.status(describe_change(saved, now, lr))
     mine = error_feedback.restore_residuals(saved_residuals, residual_signature, metrics.status)
-    extra = {key: state[key] for key in (DILOCO_KEY, ADAPTIVE_KEY) if key in state}
+    extra = {key: state[key] for key in (DILOCO_KEY, ADAPTIVE_KEY, HELD_OUTER_KEY) if key in state}
     metrics.status(f"resumed from step {start_step} of {where}")
     return start_step, mine, history, extra
 
@@ -186,7 +186,7 @@ def _state_to_continue(trainer: TrainerConfig, run_path: Path, rank: int, metric
     """The state a run continues from, on every rank (None: a fresh run), rank 0's error-feedback residuals
     of it, where it comes from, and why (the membership history's words). Collective."""
     if held is not None:
-        return held.share(), None, "the survivors' memory", held.why
+        return held.assemble(metrics.status), None, "the survivors' memory", held.why
     source = resume_target(trainer.resume, run_path)
     # After a restart by the elastic agent, continue from this run's last checkpoint if it wrote one. Any rank's
     # count says so: torch counts a restart only on a node whose workers failed, so a survivor whose agent
@@ -259,4 +259,4 @@ def set_up(cfg: TrainConfig, stream_ranks: Sequence[int], world_size: int, node_
                                                       model, optimizer, scheduler, streams, signature, state,
                                                              held)
     return Training(dataset, model, loss_fn, optimizer, scheduler, streams, start_step, signature, residuals, now,
-                    history, state, extra)
+                    history, state, extra, Progress(start_step, streams[0].state()))

@@ -42,6 +42,7 @@ from hybrid.app.replicas.node_threads import NodeProcessCommunicator, NodeReplic
 from hybrid.app.replicas.torch_hooks import register_torch_hook
 from hybrid.app.setup import device_for, sample_batch, set_up
 from hybrid.app.state import error_feedback
+from hybrid.app.state.in_memory import HELD_OUTER_KEY
 from hybrid.app.state.in_place import InPlace
 from hybrid.core.comm import (
     PHASES,
@@ -178,7 +179,7 @@ def train_worker(cfg: TrainConfig, topology: Topology, device: torch.device, run
     ``session``: recovery in place's (process mode, DDP-based comms: the configuration refuses the others)."""
     if cfg.cluster.intra_mode == "thread":
         # This process is a whole node driving its devices' replicas (nn.DataParallel-style); same loop.
-        return train_thread_mode(cfg, topology, device, run_path, metrics)
+        return train_thread_mode(cfg, topology, device, run_path, metrics, session)
     return train_process_mode(cfg, topology, device, run_path, metrics, rank, session)
 
 
@@ -189,9 +190,9 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
     if cfg.comm.algorithm == "hsdp":
         return train_hsdp(cfg, topology, device, run_path, metrics, rank)
     if cfg.comm.algorithm == DILOCO:
-        return train_diloco(cfg, topology, device, run_path, metrics, rank)
+        return train_diloco(cfg, topology, device, run_path, metrics, rank, session)
     if cfg.comm.algorithm == ADAPTIVE:
-        return train_adaptive(cfg, topology, device, run_path, metrics, rank)
+        return train_adaptive(cfg, topology, device, run_path, metrics, rank, session)
     run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank,
                  held=session.held if session is not None else None)
     if session is not None:
@@ -235,21 +236,31 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
 
 
 def train_diloco(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path, metrics: Metrics,
-                 rank: int) -> dict[str, Any] | None:
+                 rank: int, session: InPlace | None = None) -> dict[str, Any] | None:
     """comm=diloco: this rank's model under DDP over its node's group (gradients averaged inside the node every
-    step), and the outer loop among nodes every ``comm.sync_every`` steps (:mod:`hybrid.app.replicas.diloco`)."""
+    step), and the outer loop among nodes every ``comm.sync_every`` steps (:mod:`hybrid.app.replicas.diloco`).
+    ``session``: recovery in place's; a state held in memory continues its interrupted outer step first."""
     kinds = diloco.diloco_group_kinds(cfg.comm, topology)
     state = diloco.DilocoState(topology)
     run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank,
-                 state)
+                 state, held=session.held if session is not None else None)
     groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend, cfg.comm.timeout_s,
                               kinds=kinds)
     counters = PhaseCounters(StepRecorder(PHASES))  # the outer loop's exchanges: inter_allreduce, intra_broadcast
-    outer = state.outer = diloco.build_outer_sync(run.model, groups, cfg.comm, counters)
-    note = diloco.restore_node(run.resumed_extra.get(diloco.CHECKPOINT_KEY), topology.node, run.model, run.optimizer,
-                               outer)
-    if note:
-        metrics.status(note)
+    outer = state.outer = diloco.build_outer_sync(run.model, groups, cfg.comm, counters, in_place=session is not None)
+    held = run.resumed_extra.get(HELD_OUTER_KEY)
+    if held is not None:  # in place: the exchanges in flight start again over these groups, the step's rest is done
+        outer.load_held(held["shared"], held["node"])
+        session.watch(run)  # from here a failure offers this run's state (before: the state it was given)
+        outer.resume()
+    else:
+        note = diloco.restore_node(run.resumed_extra.get(diloco.CHECKPOINT_KEY), topology.node, run.model,
+                                   run.optimizer, outer)
+        outer.begin_at(run.start_step)
+        if note:
+            metrics.status(note)
+        if session is not None:
+            session.watch(run)
     ddp = wrap_ddp(cfg, run.model, device, groups.intra)
     replicas = None
     with _released_once_finished(groups.destroy):
@@ -266,12 +277,13 @@ def train_diloco(cfg: TrainConfig, topology: Topology, device: torch.device, run
 
 
 def train_adaptive(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path, metrics: Metrics,
-                   rank: int) -> dict[str, Any] | None:
+                   rank: int, session: InPlace | None = None) -> dict[str, Any] | None:
     """comm=adaptive: every-step hierarchical or sharded, or DiLoCo, as the measured link (or comm.adapt_plan)
-    calls for, switched between steps on every rank alike (:mod:`hybrid.app.replicas.adaptive`)."""
+    calls for, switched between steps on every rank alike (:mod:`hybrid.app.replicas.adaptive`). ``session``:
+    recovery in place's."""
     state = adaptive.AdaptiveState(topology)
     run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank,
-                 state)
+                 state, held=session.held if session is not None else None)
     groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend, cfg.comm.timeout_s,
                               kinds=adaptive.GROUP_KINDS)
     counters = PhaseCounters(StepRecorder(PHASES))  # every mode's phases, and DiLoCo's exchanges
@@ -287,6 +299,8 @@ def train_adaptive(cfg: TrainConfig, topology: Topology, device: torch.device, r
             replicas = state.replica = adaptive.AdaptiveReplica(cfg, topology, groups, counters, run, device,
                                                                 lambda model, group: wrap_ddp(cfg, model, device, group),
                                                                 sample, watch, metrics.scalars, metrics.status)
+            if session is not None:
+                session.watch(run)  # from here a failure offers this run's state (before: the state it was given)
             if watch is not None:
                 watch.probe = replicas.probe  # the link between DiLoCo's syncs
             # Its 16-bit modes' residuals, in and out of checkpoints.
@@ -319,8 +333,9 @@ def train_hsdp(cfg: TrainConfig, topology: Topology, device: torch.device, run_p
 
 
 def train_thread_mode(cfg: TrainConfig, processes: Topology, device: torch.device, run_path: Path,
-               metrics: Metrics) -> dict[str, Any] | None:
-    """Train this node's replicas; the process of node 0 returns the final metrics (also in metrics.json)."""
+                      metrics: Metrics, session: InPlace | None = None) -> dict[str, Any] | None:
+    """Train this node's replicas; the process of node 0 returns the final metrics (also in metrics.json).
+    ``session``: recovery in place's (a node is one process: the survivors' node processes keep theirs)."""
     if set(processes.node_sizes) != {1}:
         raise ValueError(
             f"cluster.intra_mode=thread runs one process per node, but the nodes have {list(processes.node_sizes)} "
@@ -336,7 +351,9 @@ def train_thread_mode(cfg: TrainConfig, processes: Topology, device: torch.devic
         devices = [device] * per_node
     topology = replica_topology(processes, per_node)
     run = set_up(cfg, topology.node_ranks, topology.world_size, topology.node_sizes, devices[0], run_path, metrics,
-                 processes.rank)
+                 processes.rank, held=session.held if session is not None else None)
+    if session is not None:
+        session.watch(run)
     # The gradients' own group (not the default one, which carries the loop's start-up and checksum exchanges).
     backend = resolve_backend(cfg.comm.inter_backend, "inter")
     group = dist.new_group(backend=backend, timeout=timedelta(seconds=cfg.comm.timeout_s))

@@ -48,7 +48,7 @@ from hybrid.core.comm.base import Communicator
 from hybrid.core.comm.ddp_hook import CommHookState, register_comm_hook
 from hybrid.core.optimizer_shards import BucketShards, NoState, ShardLayout, check_elementwise, collective
 
-__all__ = ["NodeShardedOptimizer", "optimizer_state_bytes"]
+__all__ = ["SHARD_KEY", "NodeShardedOptimizer", "optimizer_state_bytes"]
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -91,6 +91,9 @@ class NodeShardedOptimizer(torch.optim.Optimizer):
         self._pending: dict[str, Any] | None = None  # a state dict loaded before the layout was known
         self._norm: tuple[torch.Tensor, bool] | None = None  # this step's (global gradient norm, finite)
         self.relayouts = 0  # times DDP's buckets changed under a stepped optimizer (its state moved)
+        # Updates this worker's shard has taken: recovery in place tells from it whether the shard is a step ahead
+        # of the last step the loop completed (its update done, the node's gather of the parameters not).
+        self.updates = 0
 
     def state_bytes(self) -> int:
         """Bytes of state this worker's shard keeps between steps (0 before the first step)."""
@@ -145,6 +148,9 @@ class NodeShardedOptimizer(torch.optim.Optimizer):
                 layout.load({p: whole.pop(p) for p in b.params if p in whole}, self._params, clear=False)
             self.layout.whole_state(to_all=True, on_bucket=move)
             self.relayouts += 1
+        elif self._pending is not None and SHARD_KEY in self._pending:
+            _load_shard(layout, self._pending[SHARD_KEY])
+            self._pending = None
         elif self._pending is not None:
             layout.load(self._pending["state"], self._params)
             self._pending = None
@@ -198,6 +204,7 @@ class NodeShardedOptimizer(torch.optim.Optimizer):
         for s, view in zip(layout.segments, layout.views):
             view.grad = layout.grad(s)
         layout.inner.step()
+        self.updates += 1
         for view in layout.views:
             view.grad = None
         self._gather_parameters(layout)
@@ -236,8 +243,8 @@ class NodeShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """torch's optimizer state_dict of the whole model, complete on rank 0 (its node's workers gather it
         there; the other ranks get the param groups and no state). Collective over rank 0's node."""
-        if self.layout is None:  # not stepped yet: what was loaded, if anything
-            state = dict(self._pending["state"]) if self._pending is not None else {}
+        if self.layout is None:  # not stepped yet: what was loaded, if anything (a peer's shard is no whole state)
+            state = dict(self._pending["state"]) if self._pending is not None and "state" in self._pending else {}
         else:
             topo = self.layout.comm.topology
             whole = self.layout.whole_state(to_all=False) if 0 in topo.node_ranks else {}
@@ -254,9 +261,22 @@ class NodeShardedOptimizer(torch.optim.Optimizer):
         state = state if self.layout.comm.topology.rank == 0 else {}
         return {"state": state, "param_groups": self._groups_state()}, gathered
 
+    def shard_state(self) -> dict[str, Any]:
+        """This worker's shard as it holds it, for a peer with the same local rank (recovery in place): its
+        slices (parameter, first element, length) and the wrapped optimizer's state of each, no collective.
+        Every node's worker j holds the same slices, so a lost node loses no shard a survivor lacks. Before the
+        first step: what was loaded. :meth:`load_state_dict` takes either."""
+        if self.layout is None:
+            return self._pending if self._pending is not None else {"state": {}, "param_groups": self._groups_state()}
+        layout = self.layout
+        shard = {"slices": [(s.param, s.start, s.numel) for s in layout.segments],
+                 "state": [dict(layout.inner.state.get(view, {})) for view in layout.views]}
+        return {SHARD_KEY: shard, "param_groups": self._groups_state()}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's optimizer state_dict of the whole model (written by this class or by the optimizer it
-        wraps, on any layout); each worker keeps its slices of it."""
+        wraps, on any layout), of which each worker keeps its slices; or one worker's :meth:`shard_state`,
+        which a worker of the same local rank takes whole."""
         saved = state_dict["param_groups"]
         if len(saved) != len(self.param_groups) or any(
                 len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups)):
@@ -266,5 +286,26 @@ class NodeShardedOptimizer(torch.optim.Optimizer):
             group.update({k: v for k, v in s.items() if k != "params"})
         if self.layout is None:
             self._pending = state_dict
+        elif SHARD_KEY in state_dict:
+            _load_shard(self.layout, state_dict[SHARD_KEY])
         else:
             self.layout.load(state_dict["state"], self._params)
+
+
+# The entry of a state dict that holds one worker's shard (shard_state), not torch's whole-model state.
+SHARD_KEY = "node_shard"
+
+
+def _load_shard(layout: ShardLayout, shard: dict[str, Any]) -> None:
+    """A peer's shard into ``layout``, whose slices must be the same: the same model, buckets and workers per
+    node (recovery in place keeps all three)."""
+    mine = [(s.param, s.start, s.numel) for s in layout.segments]
+    theirs = [tuple(t) for t in shard["slices"]]
+    if mine != theirs:
+        raise RuntimeError(f"the optimizer shard received holds {len(theirs)} slices that differ from this "
+                           f"worker's {len(mine)} (another model, bucket size or node size)")
+    layout.inner.state.clear()
+    for view, state in zip(layout.views, shard["state"], strict=True):
+        if state:
+            layout.inner.state[view] = {k: v.to(view.device) if torch.is_tensor(v) and v.dim() else v
+                                        for k, v in state.items()}

@@ -88,11 +88,11 @@ class LeftOut(RuntimeError):
 
 
 class MakeRoom(RuntimeError):
-    """A node waits to join: every running worker stops after the same step (agreed in the store), between
-    steps, and meets the others in the agreement that takes the node in."""
+    """The next membership is being agreed (a node waits to join, or a peer checked in after a failure): every
+    running worker stops after a step, between steps, and meets the others in the agreement."""
 
     def __init__(self, step: int) -> None:
-        super().__init__(f"a node waits to join: stopping after step {step} to take it in")
+        super().__init__(f"the next membership is being agreed: stopping after step {step}")
         self.step = step
 
 
@@ -103,25 +103,33 @@ class JobEnded(RuntimeError):
 class Heartbeat:
     """A thread that adds 1 to ``key`` in the store every :data:`HEARTBEAT_S` while this process lives, and
     calls ``on_joiner`` when a node registers to join the epoch after ``epoch()``, until it returns True (it
-    acted: once per epoch)."""
+    acted: once per epoch); and ``on_recovery`` once per epoch when a worker has checked in for the next one
+    (``recovery_key``: a counter :meth:`Quorum.check_in` adds to)."""
 
     def __init__(self, store: Any, key: str, joiners_key: Callable[[], str | None] | None = None,
                  on_joiner: Callable[[], bool] | None = None,
-                 on_lost: Callable[[BaseException], Any] | None = None) -> None:
+                 on_lost: Callable[[BaseException], Any] | None = None,
+                 recovery_key: Callable[[], str | None] | None = None,
+                 on_recovery: Callable[[], Any] | None = None) -> None:
         self._store, self._key, self._stop = store, key, threading.Event()
         self._on_lost = on_lost
         self._joiners_key, self._on_joiner = joiners_key, on_joiner
+        self._recovery_key, self._on_recovery = recovery_key, on_recovery
         self._thread = threading.Thread(target=self._beat, name="hybrid-heartbeat", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
-        told = None
+        told = recovering = None
         while not self._stop.is_set():
             try:
                 with quiet_cpp_warnings():  # a store that dies mid-call: one line below, not a C++ stack
                     self._store.add(self._key, 1)
                     key = self._joiners_key() if self._joiners_key is not None else None
                     waiting = key is not None and key != told and self._store.add(key, 0) > 0
+                    checked = self._recovery_key() if self._recovery_key is not None else None
+                    if checked is not None and checked != recovering and self._store.add(checked, 0) > 0:
+                        recovering = checked
+                        self._on_recovery()
                 if waiting and self._on_joiner():
                     told = key
             except Exception as exc:  # noqa: BLE001 - the store is gone: nothing left to tell
@@ -152,15 +160,20 @@ class Quorum:
 
     def heartbeat(self, me: Member, store: Any, epoch: Callable[[], int | None] | None = None,
                   on_joiner: Callable[[], bool] | None = None,
-                  on_lost: Callable[[BaseException], Any] | None = None) -> Heartbeat:
+                  on_lost: Callable[[BaseException], Any] | None = None,
+                  on_recovery: Callable[[], Any] | None = None) -> Heartbeat:
         """Start this worker's heartbeat (on ``store``: a client of its own, so a blocking wait on the other
         never delays it); ``on_joiner`` is called when a node registers for the epoch after ``epoch()``,
-        ``on_lost`` with the error when the store stops answering (the heartbeat then stops)."""
-        def joiners_key() -> str | None:
-            current = epoch() if epoch is not None else None
-            return None if current is None else f"{self.prefix}/epoch{current + 1}/joiners"
+        ``on_recovery`` when a worker has checked in for it, ``on_lost`` with the error when the store stops
+        answering (the heartbeat then stops)."""
+        def next_key(name: str) -> Callable[[], str | None]:
+            def key() -> str | None:
+                current = epoch() if epoch is not None else None
+                return None if current is None else f"{self.prefix}/epoch{current + 1}/{name}"
+            return key
 
-        return Heartbeat(store, f"{self.prefix}/hb/{me.key}", joiners_key, on_joiner, on_lost)
+        return Heartbeat(store, f"{self.prefix}/hb/{me.key}", next_key("joiners"), on_joiner, on_lost,
+                         next_key("checked_in") if on_recovery is not None else None, on_recovery)
 
     def publish(self, membership: Membership) -> None:
         """Record ``membership`` as decided (the first one, which the rendezvous made), for joiners to find."""
@@ -209,7 +222,9 @@ class Quorum:
         counts as alive whatever its heartbeat does: a worker that checks in as soon as its collective fails,
         before the slow part of its recovery (letting go of its groups, which can hold the GIL for a while on a
         busy machine), cannot be taken as gone meanwhile. :meth:`agree` checks in too."""
-        self.store.set(f"{self.prefix}/epoch{current.epoch + 1}/in/{me.key}", pickle.dumps((me.step, os.getpid())))
+        base = f"{self.prefix}/epoch{current.epoch + 1}"
+        self.store.set(f"{base}/in/{me.key}", pickle.dumps((me.step, os.getpid())))
+        self.store.add(f"{base}/checked_in", 1)  # the running workers' heartbeats see a recovery begin
 
     def agree(self, current: Membership, me: Member) -> Membership:
         """Check in for the epoch after ``current`` with ``me.step``; return the decided membership, or raise

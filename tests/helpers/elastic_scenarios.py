@@ -5,12 +5,13 @@ overrides that choose the rendezvous backend."""
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
 
-from helpers.processes import Job, agent_of_node, all_gone, descendants
+from helpers.processes import Job, agent_of_node, all_gone, descendants, job_env
 
 __all__ = ["a_lost_node_rejoins_in_place", "a_node_killed_in_place", "a_node_killed_restart"]
 
@@ -55,11 +56,14 @@ def a_node_killed_restart(nproc: int, comm: str, lost: int, tmp_path: Path, stor
 
 
 def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, store: tuple[str, ...] = (),
-                           mid_run: Callable[[list[int]], None] | None = None) -> None:
+                           mid_run: Callable[[list[int]], None] | None = None, extra: tuple[str, ...] = (),
+                           after: int = 11, steps: int = 20, back: bool = False) -> str:
     """3 nodes, cluster.min_nnodes=2, cluster.recovery=in_place: node ``lost``'s agent and workers are SIGKILLed
-    after step 11. The other nodes' workers are the same processes before and after, continue from the last step
-    one of them completed, finish with identical replicas, and leave no process behind. ``mid_run(pids)`` runs
-    after step 5, given every process of the job (tests/test_etcd.py kills an etcd member there)."""
+    after step ``after``. The other nodes' workers are the same processes before and after, continue from the last
+    step one of them completed, finish with identical replicas, and leave no process behind. ``mid_run(pids)`` runs
+    after step 5, given every process of the job (tests/test_etcd.py kills an etcd member there). ``extra``: the
+    comm's own overrides. ``back``: the lost node's agent is started again once the others train on, and joins in
+    place (its state from live peers, over the new group). Returns the job's output."""
     import json
     import os
     import signal
@@ -68,59 +72,87 @@ def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, sto
     from helpers.processes import describe_processes, forks_of, workers
 
     job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
-              "cluster.recovery=in_place", f"comm={comm}", "comm.timeout_s=60", *store,
-              "trainer.max_steps=20", "trainer.checkpoint_every=5", "trainer.log_every=1", "trainer.elastic_lr=scale",
+              "cluster.recovery=in_place", f"comm={comm}", "comm.timeout_s=60", *store, *extra,
+              f"trainer.max_steps={steps}", "trainer.checkpoint_every=5", "trainer.log_every=1", "trainer.elastic_lr=scale",
               "model.width=512", "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
     job.wait_for(r"^step 1/", timeout=180)
-    # The process tree is read before step 11, not after it: on a busy machine reading /proc took long enough
-    # for three more steps to complete before the kill (in place resumed at 14, seen once in CI).
+    # The process tree is read before the kill's step, not after it: on a busy machine reading /proc took long
+    # enough for three more steps to complete before the kill (in place resumed at 14, seen once in CI).
     everything = [job.proc.pid, *descendants(job.proc.pid)]  # the fork server, the agents, the workers
     # The agents' fork server is a fork of the command (hybrid.runtime.forked_server), and ends with the rest.
     assert len(forks_of(job.proc.pid)) == 1, describe_processes(everything)
     before = workers(job.proc.pid)
     agent = agent_of_node(job.proc.pid, lost)
+    job_dir = _job_dir_of(agent) if back else None
     killed = [agent, *descendants(agent)]
     if mid_run is not None:
         job.wait_for(r"^step 5/", timeout=180)
         mid_run(everything)
-    job.wait_for(r"^step 11/", timeout=180)
+    job.wait_for(rf"^step {after}/", timeout=180)
     for pid in killed:
         os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
     job.wait_for(r"^resumed from step \d+ of the survivors' memory", timeout=120)
     job.wait_for(r"^step \d+/", timeout=60)
     print(f"node {lost} killed -> next step on 2 nodes, in place: {time.monotonic() - start:.2f} s")
-    after = workers(job.proc.pid)
-    assert after == sorted(set(before) - set(killed)), describe_processes(before, killed, after)  # no survivor restarted
-    code, out, _ = job.finish(timeout=120)
+    after_kill = workers(job.proc.pid)
+    assert after_kill == sorted(set(before) - set(killed)), describe_processes(before, killed, after_kill)
+    again = _start_agent_again(job_dir, lost) if back else None
+    try:
+        if again is not None:
+            job.wait_for(r"^resumed from step \d+ of the survivors' memory", timeout=120)
+        code, out, _ = job.finish(timeout=300)
+        if again is not None:
+            assert again.wait(timeout=60) == 0
+    finally:
+        if again is not None:
+            again.kill()
     assert code == 0, out[-3000:]
     assert "restart 1" not in out and "resuming from the last checkpoint" not in out
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["steps"] == 20 and metrics["world_size"] == 2 * nproc and metrics["nnodes"] == 2
+    nodes = 3 if back else 2
+    assert metrics["steps"] == steps and metrics["world_size"] == nodes * nproc and metrics["nnodes"] == nodes
     assert metrics["param_checksums_identical"]
     history = metrics["membership"]
     assert [(m["nnodes"], m["world_size"], m["why"]) for m in history] == [
-        (3, 3 * nproc, "start"), (2, 2 * nproc, f"in place: node(s) [{lost}] lost")]
+        (3, 3 * nproc, "start"), (2, 2 * nproc, f"in place: node(s) [{lost}] lost"),
+        *([(3, 3 * nproc, f"in place: node(s) [{lost}] joined")] if back else [])], (history, out[-3000:])
     # Nothing completed is lost, at most the step in flight: the survivors continue from the last step rank 0
     # printed before the recovery (or the one after it, where the kill landed between a step's end and its line).
-    # Read from the whole output, not from when this test saw step 11: a starved test reads its pipe late.
+    # Read from the whole output, not from when this test saw the step: a starved test reads its pipe late.
     printed = [int(n) for n in re.findall(r"^step (\d+)/", out.split("resumed from step")[0], re.MULTILINE)]
-    assert history[1]["step"] >= 11 and history[1]["step"] in (printed[-1], printed[-1] + 1), (history, printed[-3:])
+    assert history[1]["step"] >= after and history[1]["step"] in (printed[-1], printed[-1] + 1), (history, printed[-3:])
     assert "learning rate scaled by 0.6667 (trainer.elastic_lr=scale)" in out
-    assert all_gone(everything, within_s=15)
+    # The survivors kept their own state: nothing moved among them.
+    assert re.search(r"^in place: state as of step \d+ \(most advanced: rank \d+\); every rank kept its own, 0 bytes "
+                     r"moved$", out, re.MULTILINE), out[-3000:]
+    assert all_gone([*everything, *([again.pid] if again is not None else [])], within_s=15)
+    return out
+
+
+def _job_dir_of(agent: int) -> Path:
+    """Where hybrid's launcher keeps the job of ``agent`` (its agent-NODE.pid files)."""
+    import glob
+
+    return next(Path(p).parent for p in glob.glob(f"{tempfile.gettempdir()}/hybrid-job-*/agent-*.pid")
+                if Path(p).read_text() == str(agent))
+
+
+def _start_agent_again(job_dir: Path, node: int) -> subprocess.Popen:
+    """Node ``node``'s agent started again, as the launcher started it (``python -m hybrid.runtime.agent``)."""
+    from hybrid.runtime.launch import local_agent_env
+
+    return subprocess.Popen([sys.executable, "-m", "hybrid.runtime.agent", str(job_dir), str(node)],
+                            env=job_env(**local_agent_env(3), GLOO_SOCKET_IFNAME="lo"), start_new_session=True)
 
 
 def a_lost_node_rejoins_in_place(tmp_path: Path, store: tuple[str, ...] = ()) -> None:
     """3x1 in place: node 0 SIGKILLed after step 11 and its agent started again 5 s later; the run ends on 3 nodes,
     the others' processes kept throughout, every replica (the returned one's too) the same bits."""
-    import glob
     import json
     import os
     import signal
-    import subprocess
     import time
-
-    from hybrid.runtime.launch import local_agent_env
 
     from helpers.processes import workers
 
@@ -134,8 +166,7 @@ def a_lost_node_rejoins_in_place(tmp_path: Path, store: tuple[str, ...] = ()) ->
     job.wait_for(r"^step 11/", timeout=180)
     everything = [job.proc.pid, *descendants(job.proc.pid)]
     agent = agent_of_node(job.proc.pid, 0)
-    job_dir = next(Path(p).parent for p in glob.glob(f"{tempfile.gettempdir()}/hybrid-job-*/agent-0.pid")
-                   if Path(p).read_text() == str(agent))
+    job_dir = _job_dir_of(agent)
     lost = [agent, *descendants(agent)]
     survivors = sorted(set(workers(job.proc.pid)) - set(lost))
     for pid in lost:
@@ -143,9 +174,7 @@ def a_lost_node_rejoins_in_place(tmp_path: Path, store: tuple[str, ...] = ()) ->
     killed = time.monotonic()
     job.wait_for(r"^resumed from step", timeout=120)
     time.sleep(max(0.0, 5 - (time.monotonic() - killed)))  # the issue's scenario: the node is back 5 s after
-    again = subprocess.Popen([sys.executable, "-m", "hybrid.runtime.agent", str(job_dir), "0"],
-                             env={**os.environ, **local_agent_env(3), "GLOO_SOCKET_IFNAME": "lo"},
-                             start_new_session=True)
+    again = _start_agent_again(job_dir, 0)
     try:
         job.wait_for(r"^resumed from step", timeout=120)
         kept = sorted(set(workers(job.proc.pid)) & set(survivors))

@@ -11,13 +11,21 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["SESSION_VAR", "Job", "agent_of_node", "agents", "all_gone", "descendants", "hybrid_processes", "left_after",
+__all__ = ["SESSION_ENV", "SESSION_VAR", "Job", "job_env", "agent_of_node", "agents", "all_gone", "descendants", "hybrid_processes", "left_after",
            "processes_with_marker", "running", "workers"]
 
 
 # Set by tests/conftest.py for the whole session, so every process the suite starts carries it: the slurm and
 # etcd tiers, or another pytest, may run their own sessions meanwhile, and their jobs are not this session's.
 SESSION_VAR = "HYBRID_TEST_SESSION"
+# The session's environment when it began (tests/conftest.py fills it): what jobs start with, whatever a test
+# running beside a background job has monkeypatched meanwhile.
+SESSION_ENV: dict[str, str] = {}
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """The environment for a job's process: the session's as it began (else this process's), and ``extra``."""
+    return {**(SESSION_ENV or os.environ), **extra}
 
 
 def _has_env(pid: int, entry: str) -> bool:
@@ -148,7 +156,7 @@ class Job:
     def __init__(self, cwd: Path, *args: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "hybrid.train", *args], cwd=cwd, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env=job_env(PYTHONUNBUFFERED="1"))
         self.lines: list[str] = []
 
     def wait_for(self, pattern: str, timeout: float = 120) -> None:

@@ -38,9 +38,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybrid.app.components.losses import batch_loss
-from hybrid.app.config import DILOCO, TrainConfig
+from hybrid.app.config import DILOCO, IN_PLACE, TrainConfig
 from hybrid.app.replicas import diloco
 from hybrid.app.replicas.base import PlainState, RankReplica
+from hybrid.app.state.in_memory import HELD_OUTER_KEY
 from hybrid.core.adaptive import Mode, ModePlan
 from hybrid.core.comm import CommGroups, InterCompressor, PhaseCounters, make_communicator, register_comm_hook, settle_buckets
 from hybrid.core.topology import Topology
@@ -95,7 +96,12 @@ class AdaptiveReplica:
             self._kept, self.switches = saved["kept"], list(saved["switches"])
             if self.watch is not None and saved["watch"] is not None:
                 self.watch.load_state_dict(saved["watch"])
-        self._build(self.mode, run.resumed_extra.get(diloco.CHECKPOINT_KEY) if self.in_diloco else None)
+        # Recovery in place: DiLoCo's outer state held in memory (its interrupted step finished first), or none where
+        # the phase had just been entered (it starts again from the weights, as the switch does).
+        self._in_place = cfg.cluster.recovery == IN_PLACE
+        extra = run.resumed_extra
+        resumed = extra[HELD_OUTER_KEY] if HELD_OUTER_KEY in extra else extra.get(diloco.CHECKPOINT_KEY)
+        self._build(self.mode, resumed if self.in_diloco else None)
 
     # -- what the loop drives -------------------------------------------------------------------------------
     @property
@@ -124,7 +130,8 @@ class AdaptiveReplica:
         return [self.run.model]
 
     def close(self) -> None:
-        self._teardown()
+        # The outer loop stays referenced: recovery in place reads its state after the replica closed.
+        self._teardown(keep_outer=True)
 
     def compressors(self) -> dict[str, InterCompressor]:
         """The 16-bit modes' compressors, by mode name, whether running or not (their residuals go in every
@@ -158,18 +165,19 @@ class AdaptiveReplica:
         with self.counters.recorder.span("adaptive_switch", **{"from": str(before), "to": str(to)}):  # the timeline
             if self.in_diloco:
                 self._leave_diloco()
-            self._teardown()
+            # The switch counts from here on (recovery in place continues from the new mode): leaving DiLoCo has
+            # changed the state (its last sync, the inner state averaged); what follows only builds.
             self.mode = to
+            self.switches.append({"step": self.done, "from": str(before), "to": str(self.mode),
+                                  "link_mbit": None if link is None else round(link, 3)})
+            if self.watch is not None:
+                self.watch.switched(self.mode)
+            self._teardown()
             self._build(self.mode, None)
-        record = {"step": self.done, "from": str(before), "to": str(self.mode),
-                  "link_mbit": None if link is None else round(link, 3)}
-        self.switches.append(record)
         index = [m.kind for m in self.modes].index(self.mode.kind)
         self.log_scalars(self.done, {"adaptive/mode": float(index), "adaptive/switches": float(len(self.switches))})
         self.status(f"adaptive: after step {self.done}, {before} -> {self.mode}"
                             + (" (comm.adapt_plan)" if self.plan is not None else f" (inter-node link ~{link:.0f} Mbit/s)"))
-        if self.watch is not None:
-            self.watch.switched(self.mode)
 
     def _resolved(self, wanted: Mode) -> Mode:
         """DiLoCo at ``comm.sync_every``, or (0) at the interval the advice priced."""
@@ -186,12 +194,14 @@ class AdaptiveReplica:
         self._kept = copy.deepcopy(self.outer.outer.state_dict()) if self.outer.outer is not None else None
         average_optimizer_state(self.run.optimizer, self.device)
 
-    def _teardown(self) -> None:
+    def _teardown(self, keep_outer: bool = False) -> None:
         if self._inner is not None:
             self._inner.close()
         if self._hook is not None:
             self._hook.close()
-        self._inner = self._hook = self.outer = None
+        self._inner = self._hook = None
+        if not keep_outer:
+            self.outer = None
         for p in self.run.model.parameters():
             p.grad = None  # views into the old DDP's buckets: the next DDP makes its own
 
@@ -200,10 +210,14 @@ class AdaptiveReplica:
         run, cfg = self.run, self.cfg
         if mode.algorithm == DILOCO:
             comm = dataclasses.replace(cfg.comm, sync_every=mode.sync_every, inter="hierarchical")
-            self.outer = diloco.build_outer_sync(run.model, self.groups, comm, self.counters)
+            self.outer = diloco.build_outer_sync(run.model, self.groups, comm, self.counters, in_place=self._in_place)
             if self._kept is not None and self.outer.outer is not None:
                 self.outer.outer.load_state_dict(self._kept)
-            if resumed is not None:
+            self.outer.begin_at(self.done)
+            if resumed is not None and "shared" in resumed:  # in place: the interrupted step's rest first
+                self.outer.load_held(resumed["shared"], resumed["node"])
+                self.outer.resume()
+            elif resumed is not None:
                 diloco.restore_node(resumed, self.topology.node, run.model, run.optimizer, self.outer)
             ddp = self.wrap(run.model, self.groups.intra)
             settle_buckets(ddp, None, lambda: batch_loss(ddp, *self.sample, run.loss_fn).backward())
@@ -263,6 +277,23 @@ class AdaptiveState(PlainState):
         self.topology = topology
         self.replica: AdaptiveReplica | None = None
         self._diloco: diloco.DilocoState | None = None
+
+    # What recovery in place reads of the running mode (hybrid.app.state.in_place).
+    @property
+    def in_diloco(self) -> bool:
+        return self.replica is not None and self.replica.in_diloco
+
+    @property
+    def outer(self) -> Any:
+        """DiLoCo's outer loop while in a DiLoCo phase (None elsewhere, or before it is built)."""
+        return self.replica.outer if self.in_diloco else None
+
+    @property
+    def switches_done(self) -> int:
+        return len(self.replica.switches) if self.replica is not None else 0
+
+    def held_entries(self) -> dict[str, Any]:
+        return {CHECKPOINT_KEY: self.replica.state_dict()} if self.replica is not None else {}
 
     def collect(self, model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         if self.replica is None:

@@ -61,8 +61,10 @@ def diloco_group_kinds(comm: CommConfig, topology: Topology) -> tuple[str, ...]:
     return ("intra", "leaders") if diloco_inter(comm, topology) == "hierarchical" else ("intra", "cross")
 
 
-def build_outer_sync(model: nn.Module, groups: CommGroups, comm: CommConfig, counters: PhaseCounters) -> OuterSync:
-    """The outer loop over ``model``'s parameters, as ``comm`` configures it. Collective."""
+def build_outer_sync(model: nn.Module, groups: CommGroups, comm: CommConfig, counters: PhaseCounters,
+                     in_place: bool = False) -> OuterSync:
+    """The outer loop over ``model``'s parameters, as ``comm`` configures it; ``in_place``: each of its operations
+    a transaction (recovery in place). Collective."""
     factory = outer_optimizer(comm).build()
 
     def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -73,7 +75,7 @@ def build_outer_sync(model: nn.Module, groups: CommGroups, comm: CommConfig, cou
 
     return OuterSync(model.parameters(), groups, sync_every=comm.sync_every, outer_optimizer=outer,
                      inter=diloco_inter(comm, groups.topology), fragments=comm.fragments, compression=comm.inter_compression,
-                     overlap=comm.overlap, overlap_steps=comm.overlap_steps, counters=counters)
+                     overlap=comm.overlap, overlap_steps=comm.overlap_steps, counters=counters, transactional=in_place)
 
 
 def restore_node(saved: dict[str, Any] | None, node: int, model: nn.Module, optimizer: Any,
@@ -102,6 +104,8 @@ class DilocoState(PlainState):
     (:mod:`hybrid.app.state.rank_parts`: rank 0 never holds another rank's part whole); node 0's as the
     checkpoint's ``model`` and ``optimizer``, so it also resumes as a plain checkpoint. Set ``outer`` before the
     first save."""
+
+    in_diloco = True  # what recovery in place reads of the state's kind (hybrid.app.state.in_place)
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
@@ -163,9 +167,8 @@ class DilocoReplica(RankReplica):
     def end_step(self) -> None:
         self.inner_step += 1
         before = self.outer.syncs
-        self.outer.step(self.inner_step)
-        if self.inner_step == self.max_steps:
-            self.outer.finish(self.inner_step)  # every rank ends with the same model
+        # The last step ends with a sync of whatever moved (OuterSync.finish): every rank ends with the same model.
+        self.outer.step(self.inner_step, final=self.inner_step == self.max_steps)
         if self.outer.syncs != before:
             values = {"diloco/outer_steps": float(self.outer.syncs),
                       "diloco/pseudo_grad_norm": self.outer.last_pseudo_grad_norm}

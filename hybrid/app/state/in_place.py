@@ -41,7 +41,9 @@ import torch.distributed as dist
 
 from hybrid.app.config import TrainConfig
 from hybrid.app.state.in_memory import HeldState, checkpoint_meta
+from hybrid.app.state.peer_state import Offer
 from hybrid.core.comm.ordered_stream import OrderedStream, drop_tracebacks
+from hybrid.core.node_sharded_optimizer import NodeShardedOptimizer
 from hybrid.core.topology import Topology, WorkerEnv
 from hybrid.runtime.agent import attempt_prefix, nodes_at_end_key
 from hybrid.runtime.distributed import cut_connections, socket_inodes
@@ -109,7 +111,7 @@ class InPlace:
         self._heart = self.quorum.heartbeat(
             self.me, self._heart_store,
             epoch=lambda: self.membership.epoch if self.membership is not None else None,
-            on_joiner=self._make_room, on_lost=self.store_watch.lost)
+            on_joiner=self._make_room, on_lost=self.store_watch.lost, on_recovery=self._stop_for_recovery)
         self.cfg = cfg
         self.run: Any = None  # the set-up's Training (hybrid.app.setup), which this sub-package cannot import
         self.run_path: Path | None = None
@@ -145,7 +147,7 @@ class InPlace:
         self.membership = new
         env = new.env_of(self.me.node, self.me.local_rank)
         _export(env, len(new.nodes))
-        self.held = HeldState(None, new.source(), change_of(old, new))
+        self.held = HeldState(Offer(None, self.me.node, self.me.local_rank, {}), {}, change_of(old, new))
         print(f"worker {self.me.key}: joined in place as rank {env.rank} of {env.world_size} on {len(new.nodes)} "
               f"node(s) ({time.monotonic() - started:.2f} s)", file=sys.stderr, flush=True)
         self.env = env
@@ -187,6 +189,15 @@ class InPlace:
             cut_connections(self.endpoint, self._spare)
         return False
 
+    def _stop_for_recovery(self) -> None:
+        """A worker checked in for the next membership (its collective failed): stop after the step in progress,
+        between steps, and meet it there. In the every-step modes this worker's own collectives fail at once
+        anyway; a DiLoCo node between its syncs has none to fail, and would otherwise train on alone until its
+        next exchange while the others wait for it."""
+        run = self.run
+        if run is not None and self._room_after is None:
+            self._room_after = run.progress.step
+
     def recoverable(self, exc: BaseException) -> bool:
         """A failure a peer caused (closed connections, a timed-out collective), or the agreed stop for a joining
         node, after the first membership."""
@@ -208,13 +219,13 @@ class InPlace:
         cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         cut_connections(self.endpoint, self._spare)  # every collective still pending here, and on peers, fails now
         _forget_frames(exc)
-        state = self._state()
+        offer, parts = self._parts()
         _leave_groups()
         new = self.quorum.agree(old, member)
         self.membership = new
         env = new.env_of(self.me.node, self.me.local_rank)
         _export(env, len(new.nodes))
-        self.held = HeldState(state if env.rank == new.source() else None, new.source(), change_of(old, new))
+        self.held = HeldState(offer, parts, change_of(old, new))
         print(f"worker {self.me.key}: {cause}; recovering in place: "
               f"rank {env.rank} of {env.world_size} on {len(new.nodes)} node(s), continuing from step "
               f"{new.members[new.source()].step} ({time.monotonic() - started:.2f} s)", file=sys.stderr, flush=True)
@@ -243,17 +254,44 @@ class InPlace:
         self._heart.stop()
         self.store_watch.stop()
 
-    def _state(self) -> dict[str, Any] | None:
-        """This worker's state as of its last completed step, as a checkpoint holds it (None: no run yet)."""
+    def _parts(self) -> tuple[Offer, dict[str, Any]]:
+        """This worker's state as of its last completed step, by part (:mod:`hybrid.app.state.peer_state`), and
+        the (step, ...) each stands at. A node-sharded optimizer's shard may stand a step further (its update
+        taken, the node's gather of the parameters not); a DiLoCo rank may stand inside a step (its inner step
+        taken, some of its outer step's operations not: :attr:`hybrid.core.diloco.OuterSync.version`); under
+        comm=adaptive, the switches it has committed count before the stage."""
         run = self.run
-        if run is None:
-            return self.held.state if self.held is not None else None
-        layout = run.layout
-        return {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-                "scheduler": run.scheduler.state_dict(), "step": run.progress.step, "data": dict(run.progress.data),
-                "rng": torch.get_rng_state(), "membership": list(run.membership),
-                **checkpoint_meta(self.cfg.model.node, layout.world_size, layout.nnodes, layout.global_batch,
-                                  run.state.kind)}
+        if run is None:  # no run this session: what it was to continue from, if anything
+            return (self.held.offer, self.held.parts) if self.held is not None else (
+                Offer(None, self.me.node, self.me.local_rank, {}), {})
+        progress, layout, access = run.progress, run.layout, run.state
+        outer = getattr(access, "outer", None)  # DiLoCo's OuterSync (comm=diloco; comm=adaptive in DiLoCo)
+        step, stage = outer.version if outer is not None else (progress.step, 0)
+        switches = getattr(access, "switches_done", None)  # comm=adaptive
+        version = (step, stage) if switches is None else (step, switches, stage)
+        data = run.streams[0].state() if step > progress.step else dict(progress.data)  # inner step done: its batches too
+        held = getattr(access, "held_entries", dict)()  # comm=adaptive's mode and switches
+        parts: dict[str, Any] = {
+            "run": {"scheduler": run.scheduler.state_dict(), "step": step, "data": data, "rng": torch.get_rng_state(),
+                    "membership": list(run.membership), **held,
+                    **checkpoint_meta(self.cfg.model.node, layout.world_size, layout.nnodes, layout.global_batch,
+                                      access.kind)},
+            "model": run.model.state_dict()}
+        versions = {"run": version, "model": version, "optimizer": version}
+        optimizer = run.optimizer
+        if isinstance(optimizer, NodeShardedOptimizer):
+            parts["optimizer"] = optimizer.shard_state()
+            versions["optimizer"] = (progress.step + optimizer.updates - progress.optimizer_updates, 0)
+            kind = "node_sharded"
+        else:
+            parts["optimizer"] = optimizer.state_dict()
+            kind = "replicated"
+        if getattr(access, "in_diloco", outer is not None):
+            kind = "diloco_sharded" if outer is not None and outer.inter == "sharded" else "diloco"
+        if outer is not None:
+            parts["outer"], parts["node_outer"] = outer.held_state()
+            versions["outer"] = versions["node_outer"] = version
+        return Offer(kind, self.me.node, self.me.local_rank, versions), parts
 
 
 def _configured_store(cfg: TrainConfig) -> str:

@@ -86,6 +86,18 @@ class _Exchange:
     complete: Callable[[], None] | None  # waits for the exchange and writes the mean into delta; None: done
 
 
+@dataclass
+class _Plan:
+    """What the outer loop does after one inner step, in order, and how many of those operations are done. Each
+    operation is a transaction: its exchange among nodes completes (and, with ``transactional``, the node's
+    workers agree on that) before it changes any state, so a failure leaves this rank as after the operations
+    before it. Operations: ``("land", fragment, drifted)``, ``("sync", fragment)``, ``("start", fragment, due)``."""
+
+    step: int
+    ops: list[tuple[Any, ...]]
+    done: int = 0
+
+
 class _Started:
     """An average among one rank per node, in flight: a summing all-reduce, or an all-gather of encoded parts."""
 
@@ -120,7 +132,7 @@ class OuterSync:
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = default_outer_optimizer,
                  inter: str = "hierarchical", fragments: int = 1, compression: str = "none",
                  overlap: bool = False, overlap_steps: int = 1, counters: PhaseCounters | None = None,
-                 piece_bytes: int = PIECE_BYTES) -> None:
+                 piece_bytes: int = PIECE_BYTES, transactional: bool = False) -> None:
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} must be an integer >= 1 (inner steps between syncs)")
         if inter not in INTER_MODES:
@@ -157,8 +169,12 @@ class OuterSync:
         self.global_params = [self._global[i] for i in self.owned]
         self.outer = outer_optimizer(self.global_params) if self.global_params else None
         self._index_of = {id(g): i for i, g in self._global.items()}
+        # Transactional (recovery in place): a sync averages its whole fragment before it updates anything, so a
+        # failed exchange leaves the state as before it (a fragment's copy of memory at a sync, not a piece's).
+        self.transactional = transactional
         self._pieces = [_pieces([i for i in run if i in self._global], [nbytes[i] for i in run if i in self._global],
                                 piece_bytes) for run in self.fragments]
+        self._plan = _Plan(0, [])
         self.syncs = 0
         self.last_pseudo_grad_norm = 0.0
         self.bytes_per_sync = self._bytes_per_sync()
@@ -170,30 +186,73 @@ class OuterSync:
         """Whether every rank holds the same weights now (after a sync of every fragment, nothing in flight)."""
         return all(self._clean) and not self._pending
 
-    def step(self, inner_step: int) -> bool:
+    def step(self, inner_step: int, final: bool = False) -> bool:
         """After inner step ``inner_step`` (inner optimizer steps taken so far): land the exchanges due now and
-        start (and, without overlap, land) those of the fragments whose turn it is; whether an outer step was
-        taken."""
+        start (and, without overlap, land) those of the fragments whose turn it is; with ``final`` (the last
+        step), then :meth:`finish`. Whether an outer step was taken."""
         self._clean = [False] * len(self._clean)  # the inner step moved every fragment on every node
-        landed = self._land_due(inner_step)
+        in_flight = [(e.fragment, e.due) for e in self._pending]
+        ops: list[tuple[Any, ...]] = [("land", f, True) for f, due in in_flight if due <= inner_step]
+        in_flight = [(f, due) for f, due in in_flight if due > inner_step]
+        clean = list(self._clean)
         for f in range(len(self.fragments)):
             if inner_step % self.sync_every == self.offset(f):
                 if self.overlap:
-                    self._start(f, inner_step + self.delay)
+                    ops.append(("start", f, inner_step + self.delay))
+                    in_flight.append((f, inner_step + self.delay))
                 else:
-                    self._sync_now(f)
-                    landed = True
-        return landed
+                    ops.append(("sync", f))
+                    clean[f] = True
+        if final:
+            ops += self._final_ops(inner_step, in_flight, clean)
+        self._plan = _Plan(inner_step, ops)
+        return self._run_plan()
 
     def finish(self, inner_step: int) -> None:
         """The end of training: land what is in flight (keeping the inner steps taken since it left, if any) and
         sync every fragment that has moved since its last sync, so that all ranks hold the same weights."""
-        while self._pending:
-            exchange = self._pending.pop(0)
-            self._land(exchange, drifted=exchange.due - self.delay < inner_step)
-        for f in range(len(self.fragments)):
-            if not self._clean[f]:
-                self._sync_now(f)
+        ops = self._final_ops(inner_step, [(e.fragment, e.due) for e in self._pending], list(self._clean))
+        self._plan = _Plan(inner_step, ops)
+        self._run_plan()
+
+    def _final_ops(self, inner_step: int, in_flight: list[tuple[int, int]], clean: list[bool]) -> list[tuple[Any, ...]]:
+        ops: list[tuple[Any, ...]] = []
+        for f, due in in_flight:
+            drifted = due - self.delay < inner_step
+            ops.append(("land", f, drifted))
+            clean[f] = not drifted
+        return ops + [("sync", f) for f in range(len(self.fragments)) if not clean[f]]
+
+    def _run_plan(self) -> bool:
+        """The plan's operations not done yet, in order; whether one of them took an outer step."""
+        plan, stepped = self._plan, False
+        while plan.done < len(plan.ops):
+            op = plan.ops[plan.done]
+            if op[0] == "land":
+                exchange = next(e for e in self._pending if e.fragment == op[1])
+                self._land(exchange, drifted=op[2])
+                self._pending.remove(exchange)
+            elif op[0] == "sync":
+                self._sync_now(op[1])
+            else:
+                self._start(op[1], op[2])
+            stepped |= op[0] != "start"
+            plan.done += 1
+        return stepped
+
+    def resume(self) -> bool:
+        """The rest of the interrupted step's plan (recovery in place: over the new groups, on every rank)."""
+        return self._run_plan()
+
+    def begin_at(self, inner_step: int) -> None:
+        """Continue after inner step ``inner_step`` with nothing of it left to do (a resume from a checkpoint)."""
+        self._plan = _Plan(inner_step, [])
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """(the last inner step the outer loop was told of, minus the operations of its plan not yet done): the
+        further along, the greater."""
+        return self._plan.step, self._plan.done - len(self._plan.ops)
 
     def offset(self, fragment: int) -> int:
         """Where in each interval ``fragment`` syncs: (f + 1) H / F mod H (the last fragment at H, i.e. 0)."""
@@ -204,13 +263,6 @@ class OuterSync:
         """Average one fragment's pseudo-gradient among nodes, take an outer step on it, continue every worker
         from its result (with one fragment: all the parameters), now, whatever the schedule."""
         self._sync_now(fragment)
-
-    def _land_due(self, inner_step: int) -> bool:
-        due = [e for e in self._pending if e.due <= inner_step]
-        self._pending = [e for e in self._pending if e.due > inner_step]
-        for exchange in due:
-            self._land(exchange, drifted=True)
-        return bool(due)
 
     @torch.no_grad()
     def _start(self, fragment: int, due: int) -> _Exchange:
@@ -231,6 +283,9 @@ class OuterSync:
         optimizer steps each piece's parameters on their own (torch's optimizers update parameters one by one
         and skip those without a gradient), and an all-reduce sums each element alike however the buffer is cut,
         so the result is the same as one exchange of the whole fragment."""
+        if self.transactional:
+            self._sync_whole(fragment)
+            return
         squares = 0.0
         for piece in self._pieces[fragment]:
             delta = self._pseudo_grad(piece)
@@ -241,6 +296,22 @@ class OuterSync:
             self._outer_step(piece, delta)
         self._spread(self.fragments[fragment], None)
         self.last_pseudo_grad_norm = self._node_norm(squares)
+        self._clean[fragment] = True
+        self.syncs += 1
+
+    def _sync_whole(self, fragment: int) -> None:
+        """:meth:`_sync_now` as one transaction: the whole fragment's mean first, then (sharded) the node's
+        workers agree that each share arrived (the norm's all-reduce, which they take anyway), and only then the
+        outer step and the new weights."""
+        chosen = self._mine(fragment)
+        delta = self._pseudo_grad(chosen)
+        complete = self._start_average(delta) if delta.numel() else None
+        if complete is not None:
+            complete()
+        norm = self._node_norm(float(delta.norm()) ** 2)
+        self._outer_step(chosen, delta)
+        self._spread(self.fragments[fragment], None)
+        self.last_pseudo_grad_norm = norm
         self._clean[fragment] = True
         self.syncs += 1
 
@@ -370,6 +441,55 @@ class OuterSync:
         for i, owner in enumerate(self.owners):
             shares[owner] += self.params[i].numel()
         return sum(self._inter_bytes(share) for share in shares if share)
+
+    def held_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's outer state as it stands, for recovery in place, without a collective (an exchange in
+        flight is not waited for: it is started again over the new groups, from what it sent). Two parts:
+        ``shared``, the same on every node (this rank's share of the global weights and outer optimizer state,
+        the schedule's place and the interrupted step's plan), and ``node``, this node's own (the exchanges in
+        flight, with their fragments' weights when they left). Refers to the live tensors, as :meth:`state_dict`."""
+        plan = self._plan
+        shared = {"sync_every": self.sync_every, "fragments": len(self.fragments), "syncs": self.syncs,
+                  "clean": list(self._clean), "plan": {"step": plan.step, "ops": list(plan.ops), "done": plan.done},
+                  "share": {"global": dict(self._global), "outer": optimizer_share(self.outer, self._index_of)}}
+        node = {"pending": [{"fragment": e.fragment, "due": e.due, "sent": e.sent} for e in self._pending]}
+        return shared, node
+
+    def load_held(self, shared: dict[str, Any], node: dict[str, Any]) -> None:
+        """Continue from a :meth:`held_state` (this rank's, or a peer's of the same share): every exchange that
+        was in flight starts again over this rank's groups, with the pseudo-gradient it carried (the global
+        weights minus the weights it sent), to land when it was due; :meth:`resume` then does what the
+        interrupted step had left. Collective where an exchange was in flight."""
+        saved = (shared["sync_every"], shared["fragments"])
+        if saved != (self.sync_every, len(self.fragments)):
+            raise ValueError(f"the held state synced every {saved[0]} steps in {saved[1]} fragment(s), this run "
+                             f"every {self.sync_every} in {len(self.fragments)}")
+        merged = merge_shares([shared["share"]])
+        with torch.no_grad():
+            for i, g in self._global.items():
+                g.copy_(merged["global"][i])
+        load_optimizer_share(self.outer, self._index_of, merged)
+        self.syncs, self._clean = int(shared["syncs"]), list(shared["clean"])
+        plan = shared["plan"]
+        self._plan = _Plan(int(plan["step"]), [tuple(op) for op in plan["ops"]], int(plan["done"]))
+        self._pending = []
+        device = self.params[0].device
+        for e in node["pending"]:
+            sent = e["sent"].to(device)
+            delta = self._sent_delta(e["fragment"], sent)
+            self._pending.append(_Exchange(e["fragment"], e["due"], delta, sent,
+                                           self._start_average(delta) if delta.numel() else None))
+
+    def _sent_delta(self, fragment: int, sent: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a fragment's pseudo-gradient as it left: global weights minus ``sent`` (the
+        fragment's flat fp32 weights then), the same bits :meth:`_start` computed."""
+        parts, offset = [], 0
+        for i in self.fragments[fragment]:
+            n = self.params[i].numel()
+            if i in self._global:
+                parts.append(self._global[i].reshape(-1) - sent[offset:offset + n])
+            offset += n
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32, device=sent.device)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume bitwise anywhere inside an interval: the schedule's place and the
