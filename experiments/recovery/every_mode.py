@@ -11,8 +11,9 @@ received and from whom, whether every survivor process was kept, and the run's e
     python experiments/recovery/every_mode.py --runs 3 --busy     # one CPU-bound process per core beside it
     python experiments/recovery/every_mode.py --loss --runs 3     # DiLoCo's tail loss, lost node against none
 
-``--loss``: the DiLoCo configuration, uninterrupted and with node 2 lost after step 12 (not started again),
-alternating; the mean loss over the last 50 steps of each (metrics.json's ``tail_loss``). Needs root (the testbed).
+``--loss``: the DiLoCo configuration on 3 nodes uninterrupted, on 2 from the start, and with node 2 lost after step
+12 (not started again) in place and with restarts, alternating; the mean loss over the last 50 steps of each
+(metrics.json's ``tail_loss``). Needs root (the testbed).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from processes import name, start_again, under
+from processes import busy, name, start_again, under
 
 STEPS = 400
 DILOCO = ("comm=diloco", "comm.sync_every=8", "comm.fragments=2", "comm.overlap=true", "comm.inter_compression=fp8")
@@ -51,7 +52,9 @@ class Run:
     """One job, its output read line by line as it comes (so a slow reader never stalls it)."""
 
     def __init__(self, where: Path, *overrides: str) -> None:
-        self.job = subprocess.Popen([sys.executable, "-m", "hybrid.train", *COMMON, *overrides], cwd=where, text=True,
+        given = {o.split("=", 1)[0] for o in overrides}  # a row's own value of a common key replaces it
+        common = [o for o in COMMON if o.split("=", 1)[0] not in given]
+        self.job = subprocess.Popen([sys.executable, "-m", "hybrid.train", *common, *overrides], cwd=where, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lines: list[tuple[float, str]] = []
@@ -134,7 +137,7 @@ def table(args: argparse.Namespace) -> None:
         runs = []
         for _ in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="hybrid-every-mode-") as where:
-                runs.append(one_run(overrides, Path(where)))
+                runs.append(one_run(overrides, Path(where), steps=args.steps or STEPS))
         for r in runs:
             if r["exit"] != 0:
                 print(r.get("error", ""), file=sys.stderr)
@@ -147,21 +150,29 @@ def table(args: argparse.Namespace) -> None:
 
 
 def loss(args: argparse.Namespace) -> None:
-    """DiLoCo's tail loss, uninterrupted and with node 2 lost after step 12, alternating."""
-    rows = {"uninterrupted": [], "node 2 lost after step 12": []}
+    """DiLoCo's tail loss: 3 nodes uninterrupted, 2 nodes from the start, and node 2 lost after step 12, in place
+    and with restarts (from the last of checkpoints every 4 steps), alternating."""
+    rows: dict[str, tuple[tuple[str, ...], bool]] = {  # label -> (overrides, a node is lost)
+        "3 nodes, uninterrupted": ((), False),
+        "2 nodes from the start": (("cluster.nnodes=2",), False),
+        "node 2 lost after step 12, in place": ((), True),
+        "node 2 lost after step 12, restart": (("cluster.recovery=restart", "trainer.checkpoint_every=4"), True),
+    }
+    found: dict[str, list[float]] = {label: [] for label in rows}
+    args.steps = args.steps or 300
     for _ in range(args.runs):
-        for label in rows:
+        for label, (extra, lost) in rows.items():
             with tempfile.TemporaryDirectory(prefix="hybrid-every-mode-") as where:
-                if label == "uninterrupted":
-                    run = Run(Path(where), *DILOCO, f"trainer.max_steps={args.steps}")
-                    run.output()
-                    rows[label].append(json.loads((Path(where) / "run" / "metrics.json").read_text())["tail_loss"])
+                overrides = (*DILOCO, *extra)
+                if lost:
+                    found[label].append(one_run(overrides, Path(where), rejoin=False, steps=args.steps)["tail_loss"])
                 else:
-                    rows[label].append(one_run(DILOCO, Path(where), rejoin=False, steps=args.steps)["tail_loss"])
-    base = statistics.fmean(rows["uninterrupted"])
+                    Run(Path(where), *overrides, f"trainer.max_steps={args.steps}").output()
+                    found[label].append(json.loads((Path(where) / "run" / "metrics.json").read_text())["tail_loss"])
+    base = statistics.fmean(found["3 nodes, uninterrupted"])
     print(f"| DiLoCo run ({args.steps} steps) | mean loss over the last 50 steps, each run | mean | against uninterrupted |")
     print("| --- | --- | --- | --- |")
-    for label, values in rows.items():
+    for label, values in found.items():
         mean = statistics.fmean(values)
         print(f"| {label} | {', '.join(f'{v:.4f}' for v in values)} | {mean:.4f} | {100 * (mean / base - 1):+.2f}% |")
 
@@ -172,15 +183,12 @@ def main() -> None:
     parser.add_argument("--busy", action="store_true", help="one CPU-bound process per core beside every run")
     parser.add_argument("--only", default="", help="run only the configurations whose label contains this")
     parser.add_argument("--loss", action="store_true", help="DiLoCo's tail loss with and without the lost node")
-    parser.add_argument("--steps", type=int, default=300, help="steps of each --loss run")
+    parser.add_argument("--steps", type=int, default=0,
+                        help=f"steps of each run (default {STEPS}; --loss: 300); a busy machine needs more for the "
+                             "returning node to join before the end")
     args = parser.parse_args()
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)] \
-        if args.busy else []
-    try:
+    with busy(args.busy):
         (loss if args.loss else table)(args)
-    finally:
-        for burner in burners:
-            burner.kill()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from processes import name, start_again, under
+from processes import busy, name, start_again, under
 
 REJOIN_CONFIGS = [
     ("3x1 hierarchical, node 0 back 5 s later, restart", 1, "hierarchical", 0, "restart"),
@@ -100,13 +100,8 @@ def main() -> None:
     parser.add_argument("--busy", action="store_true", help="one CPU-bound process per core beside every run")
     parser.add_argument("--only", default="", help="run only the configurations whose label contains this")
     args = parser.parse_args()
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)] \
-        if args.busy else []
-    try:
+    with busy(args.busy):
         _table(args)
-    finally:
-        for burner in burners:
-            burner.kill()
 
 
 def _table(args: argparse.Namespace) -> None:

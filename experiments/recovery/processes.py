@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
-__all__ = ["name", "start_again", "tree", "under"]
+__all__ = ["busy", "name", "start_again", "tree", "under"]
 
 
 def tree() -> dict[int, list[int]]:
@@ -56,3 +58,15 @@ def start_again(node: int, agent: int, world: int, testbed_of: int | None = None
                             env={**os.environ, **local_agent_env(world),
                                  "GLOO_SOCKET_IFNAME": "nic0" if testbed_of is not None else "lo"},
                             start_new_session=True, **popen)
+
+
+@contextmanager
+def busy(enabled: bool = True) -> Iterator[None]:
+    """One CPU-bound process per core beside what runs inside (where ``enabled``): a cluster node is rarely quiet."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)] \
+        if enabled else []
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()

@@ -222,6 +222,9 @@ class InPlace:
         offer, parts = self._parts()
         _leave_groups()
         new = self.quorum.agree(old, member)
+        if len(new.nodes) < self.cfg.cluster.min_nnodes:  # as torch's rendezvous refuses a round below its minimum
+            raise RuntimeError(f"recovery in place: {len(new.nodes)} node(s) left ({list(new.nodes)}), fewer than "
+                               f"cluster.min_nnodes={self.cfg.cluster.min_nnodes}: the job stops ({cause})")
         self.membership = new
         env = new.env_of(self.me.node, self.me.local_rank)
         _export(env, len(new.nodes))
