@@ -107,7 +107,8 @@ def one_run(overrides: tuple[str, ...], where: Path, rejoin: bool = True, steps:
     result["same_pids"] = after == before - set(killed)
     again = None
     if rejoin:
-        again = start_again(2, victim, 6, testbed_of=run.job.pid, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = open(where / "agent-again.log", "w")  # noqa: SIM115 - closed with the run's folder
+        again = start_again(2, victim, 6, testbed_of=run.job.pid, stdout=log, stderr=subprocess.STDOUT)
         started = time.monotonic()
         run.until(r"^resumed from step (\d+)")
         at, _ = run.until(r"^step \d+/")
@@ -134,18 +135,28 @@ def table(args: argparse.Namespace) -> None:
     for label, overrides in CONFIGS:
         if args.only not in label:
             continue
-        runs = []
+        runs, failed = [], 0
         for _ in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="hybrid-every-mode-") as where:
-                runs.append(one_run(overrides, Path(where), steps=args.steps or STEPS))
+                try:
+                    runs.append(one_run(overrides, Path(where), steps=args.steps or STEPS))
+                except RuntimeError as exc:  # a line never came: say what the job and the returning agent said
+                    failed += 1
+                    agent_log = Path(where) / "agent-again.log"
+                    print(f"{label}: {str(exc)[-3000:]}\n{agent_log.read_text()[-3000:] if agent_log.exists() else ''}",
+                          file=sys.stderr)
         for r in runs:
             if r["exit"] != 0:
                 print(r.get("error", ""), file=sys.stderr)
+        if not runs:
+            print(f"| {label} | all {failed} runs failed (stderr) | | | | | |", flush=True)
+            continue
         kills = ", ".join(f"{r['kill_to_next_step_s']:.2f}" for r in runs)
         joins = ", ".join(f"{r['agent_start_to_step_s']:.2f}" for r in runs)
         print(f"| {label} | {kills} | {', '.join(str(r['continued_from']) for r in runs)} | "
               f"{'yes' if all(r['same_pids'] for r in runs) else 'no'} | {joins} | {runs[-1]['received']} | "
-              f"{', '.join(str(r['exit']) for r in runs)}; {runs[-1]['steps']} steps; "
+              f"{', '.join(str(r['exit']) for r in runs)}{f' ({failed} more failed)' if failed else ''}; "
+              f"{runs[-1]['steps']} steps; "
               f"{'identical' if all(r['identical'] for r in runs) else 'NOT identical'} |", flush=True)
 
 
@@ -154,7 +165,7 @@ def loss(args: argparse.Namespace) -> None:
     and with restarts (from the last of checkpoints every 4 steps), alternating."""
     rows: dict[str, tuple[tuple[str, ...], bool]] = {  # label -> (overrides, a node is lost)
         "3 nodes, uninterrupted": ((), False),
-        "2 nodes from the start": (("cluster.nnodes=2",), False),
+        "2 nodes from the start": (("cluster.nnodes=2", "cluster.min_nnodes=0", "cluster.recovery=restart"), False),
         "node 2 lost after step 12, in place": ((), True),
         "node 2 lost after step 12, restart": (("cluster.recovery=restart", "trainer.checkpoint_every=4"), True),
     }
@@ -167,8 +178,11 @@ def loss(args: argparse.Namespace) -> None:
                 if lost:
                     found[label].append(one_run(overrides, Path(where), rejoin=False, steps=args.steps)["tail_loss"])
                 else:
-                    Run(Path(where), *overrides, f"trainer.max_steps={args.steps}").output()
-                    found[label].append(json.loads((Path(where) / "run" / "metrics.json").read_text())["tail_loss"])
+                    out = Run(Path(where), *overrides, f"trainer.max_steps={args.steps}").output()
+                    metrics = Path(where) / "run" / "metrics.json"
+                    if not metrics.exists():
+                        raise RuntimeError(f"{label}: the run failed:\n{out[-2000:]}")
+                    found[label].append(json.loads(metrics.read_text())["tail_loss"])
     base = statistics.fmean(found["3 nodes, uninterrupted"])
     print(f"| DiLoCo run ({args.steps} steps) | mean loss over the last 50 steps, each run | mean | against uninterrupted |")
     print("| --- | --- | --- | --- |")

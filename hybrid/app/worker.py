@@ -249,18 +249,18 @@ def train_diloco(cfg: TrainConfig, topology: Topology, device: torch.device, run
     counters = PhaseCounters(StepRecorder(PHASES))  # the outer loop's exchanges: inter_allreduce, intra_broadcast
     outer = state.outer = diloco.build_outer_sync(run.model, groups, cfg.comm, counters, in_place=session is not None)
     held = run.resumed_extra.get(HELD_OUTER_KEY)
-    if held is not None:  # in place: the exchanges in flight start again over these groups, the step's rest is done
+    if held is not None:  # in place: the exchanges in flight start again over these groups
         outer.load_held(held["shared"], held["node"])
-        session.watch(run)  # from here a failure offers this run's state (before: the state it was given)
-        outer.resume()
     else:
         note = diloco.restore_node(run.resumed_extra.get(diloco.CHECKPOINT_KEY), topology.node, run.model,
                                    run.optimizer, outer)
         outer.begin_at(run.start_step)
         if note:
             metrics.status(note)
-        if session is not None:
-            session.watch(run)
+    if session is not None:
+        session.watch(run)  # from here a failure offers this run's state (before: the state it was given)
+    if held is not None:
+        outer.resume()  # what the interrupted step had left to do
     ddp = wrap_ddp(cfg, run.model, device, groups.intra)
     replicas = None
     with _released_once_finished(groups.destroy):
