@@ -214,7 +214,7 @@ def test_in_place_zero_inside_the_node_loses_no_shard_and_a_returning_node_gets_
     its worker of local rank j receives shard j from the worker of local rank j on node 0, the model from rank 0,
     and the run ends on 3 nodes with identical replicas."""
     out = a_node_killed_in_place(2, "sharded", 2, tmp_path, extra=("comm.shard_optimizer=true", "optim=adamw"),
-                                 after=12, steps=250, back=True)
+                                 after=12, steps=300, back=True)
     joined = re.findall(r"^in place: state as of step \d+ .*", out, re.MULTILINE)[-1]
     received = dict(re.findall(r"rank (\d) <- ([^;]+)", joined))
     assert sorted(received) == ["4", "5"], joined  # only the returning node's workers received anything
