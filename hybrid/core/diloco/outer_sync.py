@@ -172,7 +172,8 @@ class OuterSync:
         # Transactional (recovery in place): a sync averages its whole fragment before it updates anything, so a
         # failed exchange leaves the state as before it (a fragment's copy of memory at a sync, not a piece's).
         self.transactional = transactional
-        self._pieces = [_pieces([i for i in run if i in self._global], [nbytes[i] for i in run if i in self._global],
+        self._pieces = [[[i for i in run if i in self._global]] if transactional else
+                        _pieces([i for i in run if i in self._global], [nbytes[i] for i in run if i in self._global],
                                 piece_bytes) for run in self.fragments]
         self._plan = _Plan(0, [])
         self.syncs = 0
@@ -283,35 +284,18 @@ class OuterSync:
         optimizer steps each piece's parameters on their own (torch's optimizers update parameters one by one
         and skip those without a gradient), and an all-reduce sums each element alike however the buffer is cut,
         so the result is the same as one exchange of the whole fragment."""
-        if self.transactional:
-            self._sync_whole(fragment)
-            return
-        squares = 0.0
+        squares, norm = 0.0, None
         for piece in self._pieces[fragment]:
             delta = self._pseudo_grad(piece)
-            complete = self._start_average(delta)
+            complete = self._start_average(delta) if delta.numel() else None
             if complete is not None:
                 complete()
             squares += float(delta.norm()) ** 2
+            if self.transactional:  # one piece: the node's workers agree each share arrived before any update
+                norm = self._node_norm(squares)
             self._outer_step(piece, delta)
         self._spread(self.fragments[fragment], None)
-        self.last_pseudo_grad_norm = self._node_norm(squares)
-        self._clean[fragment] = True
-        self.syncs += 1
-
-    def _sync_whole(self, fragment: int) -> None:
-        """:meth:`_sync_now` as one transaction: the whole fragment's mean first, then (sharded) the node's
-        workers agree that each share arrived (the norm's all-reduce, which they take anyway), and only then the
-        outer step and the new weights."""
-        chosen = self._mine(fragment)
-        delta = self._pseudo_grad(chosen)
-        complete = self._start_average(delta) if delta.numel() else None
-        if complete is not None:
-            complete()
-        norm = self._node_norm(float(delta.norm()) ** 2)
-        self._outer_step(chosen, delta)
-        self._spread(self.fragments[fragment], None)
-        self.last_pseudo_grad_norm = norm
+        self.last_pseudo_grad_norm = norm if norm is not None else self._node_norm(squares)
         self._clean[fragment] = True
         self.syncs += 1
 
