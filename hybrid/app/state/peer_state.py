@@ -4,7 +4,7 @@ A survivor of a lost node still holds its own state as of the last step it compl
 (:mod:`hybrid.app.state.in_place`), and most of it is what it needs to go on: in the every-step modes every
 replica is the same bits, a node-sharded optimizer's shard ``j`` lives on worker ``j`` of every node, and a
 DiLoCo node keeps its own weights between syncs while the outer state is the same on every node. So the state
-is held in *parts*, each with who else holds an interchangeable copy of it (:class:`Holding`):
+is held in *parts*, each with who else holds an interchangeable copy of it (:func:`holdings_of`):
 
 - ``run``: the schedule, the step, the data position, the RNG, the layout history (and comm=adaptive's mode and
   switches); the same on every worker;
