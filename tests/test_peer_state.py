@@ -46,6 +46,15 @@ def test_a_returning_nodes_workers_get_their_shards_from_the_same_local_rank_on_
     assert ("model", 0, 5) in moved and len(moved) == 6
 
 
+def test_under_hsdp_a_returning_nodes_workers_get_model_and_optimizer_shards_from_their_local_rank_only():
+    # comm=hsdp: FSDP2 shards the parameters as well as their optimizer state over a node's workers.
+    _, moved = plan_transfers(offers("sharded_model", 3, 2, {0: None, 1: None}))
+    assert sorted(moved) == sorted([(part, 2 + j, j) for part in ("model", "optimizer") for j in (0, 1)]
+                                   + [("run", 2, 0), ("run", 2, 1)])
+    with pytest.raises(RuntimeError, match="no live worker holds the model of local/1"):
+        plan_transfers(offers("sharded_model", 2, 2, {1: {"model": (11, 0)}, 3: None}))
+
+
 def test_a_shard_a_step_ahead_is_replaced_by_a_peers_at_the_step_and_a_lost_only_copy_is_refused():
     # Rank 1's shard took its update of step 13 but the node's gather did not finish: it takes rank 3's.
     assert plan_transfers(offers("node_sharded", 2, 2, {1: {"optimizer": (13, 0)}})) == (0, [("optimizer", 3, 1)])

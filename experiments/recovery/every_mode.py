@@ -1,4 +1,4 @@
-"""Recovery in place in the modes that hold state beside the weights: DiLoCo, adaptive, ZeRO inside the node.
+"""Recovery in place in the modes that hold state beside the weights: DiLoCo, adaptive, ZeRO inside the node, HSDP.
 
 Each run is ``python -m hybrid.train`` on the network testbed, 3 nodes x 2 workers, ``cluster.min_nnodes=2``,
 ``cluster.recovery=in_place``: after step 12 node 2's agent and every process under it are SIGKILLed; the
@@ -42,6 +42,7 @@ CONFIGS = [  # (label, overrides)
     ("adaptive, in its every-step mode", ("comm=adaptive", "comm.adapt_every=0", f"comm.adapt_plan=[[{10 * STEPS},diloco]]",
                                           "comm.sync_every=8")),
     ("sharded + ZeRO (comm.shard_optimizer), AdamW", ("comm=sharded", "comm.shard_optimizer=true")),
+    ("hsdp (torch FSDP2, replicate x shard), AdamW", ("comm=hsdp",)),
 ]
 COMMON = ("cluster.nnodes=3", "cluster.nproc_per_node=2", "cluster.min_nnodes=2", "cluster.max_restarts=2",
           "cluster.rdzv_last_call_s=2", "cluster.recovery=in_place", "cluster.testbed.enabled=true", "comm.timeout_s=60",

@@ -593,8 +593,6 @@ IN_PLACE_REFUSALS = {
                            "torch's ZeroRedundancyOptimizer shards the optimizer over every rank of the job, so a "
                            "lost node takes shards no survivor holds; use comm=sharded or comm=hierarchical, which "
                            "shard inside the node (every node holds every shard), or cluster.recovery=restart",
-    "hsdp": "cluster.recovery=in_place is not available with comm=hsdp: FSDP2's mesh and sharded modules are "
-            "built once over the job's first group; use cluster.recovery=restart",
 }
 
 

@@ -188,7 +188,7 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
     """One replica per process: this rank's model under DDP, its buckets averaged by ``comm`` (or, comm=hsdp,
     sharded by torch FSDP2)."""
     if cfg.comm.algorithm == "hsdp":
-        return train_hsdp(cfg, topology, device, run_path, metrics, rank)
+        return train_hsdp(cfg, topology, device, run_path, metrics, rank, session)
     if cfg.comm.algorithm == DILOCO:
         return train_diloco(cfg, topology, device, run_path, metrics, rank, session)
     if cfg.comm.algorithm == ADAPTIVE:
@@ -313,16 +313,20 @@ def train_adaptive(cfg: TrainConfig, topology: Topology, device: torch.device, r
 
 
 def train_hsdp(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path, metrics: Metrics,
-               rank: int) -> dict[str, Any] | None:
+               rank: int, session: InPlace | None = None) -> dict[str, Any] | None:
     """comm=hsdp: this rank's shards of the model under torch FSDP2 on a (nodes, workers per node) mesh; the
-    same loop, checkpoints (through torch's distributed state-dict API) and metrics as every other comm."""
+    same loop, checkpoints (through torch's distributed state-dict API) and metrics as every other comm.
+    ``session``: recovery in place's; each session shards a new model over its membership's mesh."""
     # Imported here, not at the top: FSDP2 and torch.distributed.checkpoint cost every worker process seconds of
     # CPU to import (experiments/RESULTS.md), which runs of the other comms need not pay.
     from hybrid.app.replicas.hsdp import HsdpReplica, ShardedState, hsdp_mesh
 
     # The mesh's groups live as long as the default group (FSDP2 may still hold them after the run).
     run = set_up(cfg, [topology.rank], topology.world_size, topology.node_sizes, device, run_path, metrics, rank,
-                 ShardedState(hsdp_mesh(topology, device, cfg.comm.timeout_s)))
+                 ShardedState(hsdp_mesh(topology, device, cfg.comm.timeout_s)),
+                 held=session.held if session is not None else None)
+    if session is not None:
+        session.watch(run)
     counters = PhaseCounters(StepRecorder(PHASES))  # no hybrid phases: FSDP2's collectives sit inside the loop parts
     replicas = HsdpReplica(run.model, run.streams[0], device, run.loss_fn, topology.local_rank,
                            cfg.trainer.precision, counters.recorder)

@@ -14,6 +14,14 @@ Checkpoints go through torch's distributed state-dict API
 (``torch.distributed.checkpoint.state_dict``, full state dicts gathered to
 rank 0) into hybrid's ordinary checkpoint files, so the atomic writes,
 manifests and resume of :mod:`hybrid.app.state.checkpoint` hold for it too.
+
+Recovery in place (``cluster.recovery=in_place``) holds each rank's own shards
+instead (:func:`held_shards`, no collective: its groups may be broken): shard
+``j`` of every parameter and of its optimizer state lives on worker ``j`` of every
+node, so a survivor keeps its own and a returning node's worker ``j`` receives
+them from worker ``j`` of a live node. The next session builds the mesh and
+``fully_shard`` over the new membership's groups (the shard layout inside a
+node is unchanged) and copies the held shards in (:func:`load_held_shards`).
 """
 
 from __future__ import annotations
@@ -31,15 +39,18 @@ from torch.distributed.fsdp import fully_shard
 
 from hybrid.app.components.data import BatchStream
 from hybrid.app.components.losses import LossFn
-from hybrid.app.replicas.base import SHARDED_STATE_KIND, accumulate
+from hybrid.app.replicas.base import SHARDED_STATE_KIND, accumulate, local_part
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
 
-__all__ = ["MESH_DIMS", "STATE_DICT_KIND", "HsdpReplica", "ShardedState", "full_state", "hsdp_mesh", "load_full_state",
-           "shard_model", "shard_units"]
+__all__ = ["HELD_SHARDS", "MESH_DIMS", "STATE_DICT_KIND", "HsdpReplica", "ShardedState", "full_state", "held_shards",
+           "hsdp_mesh", "load_full_state", "load_held_shards", "shard_model", "shard_units"]
 
 MESH_DIMS = ("replicate", "shard")
 STATE_DICT_KIND = SHARDED_STATE_KIND  # recorded in this comm's checkpoints (see hybrid.app.replicas.base)
+# The entry of an optimizer state held in place (:func:`held_shards`) that lists its sharded entries: it marks the
+# state as this rank's shards, not a full state dict.
+HELD_SHARDS = "hsdp_sharded_entries"
 
 
 def hsdp_mesh(topology: Topology, device: torch.device, timeout_s: float) -> DeviceMesh:
@@ -103,6 +114,57 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_st
                    options=StateDictOptions(full_state_dict=True))
 
 
+def held_shards(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's shards of the model's and optimizer's state, as plain local tensors (a DTensor's part on this
+    rank; buffers and the step count whole), for recovery in place. No collective: FSDP2's state-dict hook
+    registers the sharded parameters whatever a failed step left unsharded, and the optimizer's state is local."""
+    model_part = {name: local_part(value).detach() for name, value in model.state_dict().items()}
+    saved = optimizer.state_dict()
+    state: dict[Any, dict[str, Any]] = {}
+    sharded: list[list[Any]] = []
+    for index, entries in saved["state"].items():
+        state[index] = {}
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor) and _is_dtensor(value):
+                sharded.append([index, key])
+            state[index][key] = local_part(value) if isinstance(value, torch.Tensor) else value
+    return model_part, {"state": state, "param_groups": saved["param_groups"], HELD_SHARDS: sharded}
+
+
+def load_held_shards(model: nn.Module, optimizer: torch.optim.Optimizer, model_part: dict[str, Any],
+                     optimizer_part: dict[str, Any]) -> None:
+    """Copy shards :func:`held_shards` took (on a worker of this local rank) into a model sharded over the new
+    membership's mesh and its fresh optimizer. Raises where a shard's shape differs (another node size)."""
+    with torch.no_grad():
+        for name, value in model.state_dict().items():
+            mine = local_part(value)
+            held = model_part[name]
+            if held.shape != mine.shape:
+                raise ValueError(f"recovery in place: the held shard of {name} is {tuple(held.shape)}, this rank's "
+                                 f"is {tuple(mine.shape)}: a shard moves only between workers of one local rank")
+            mine.copy_(held)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sharded = {(index, key) for index, key in optimizer_part[HELD_SHARDS]}
+    state = {index: {key: _shard_like(params[index], value) if (index, key) in sharded else value
+                     for key, value in entries.items()}
+             for index, entries in optimizer_part["state"].items()}
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer_part["param_groups"]})
+
+
+def _shard_like(param: Any, local: torch.Tensor) -> Any:
+    """``local`` as this rank's part of a DTensor laid out as ``param`` (an optimizer moment of it)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.to(param.device), param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 class ShardedState:
     """:class:`hybrid.app.replicas.base.StateAccess` for comm=hsdp: shard the model on ``mesh``; read and load
     state through torch's distributed state-dict API (full state dicts, rank 0's on the CPU)."""
@@ -120,7 +182,15 @@ class ShardedState:
 
     def load(self, model: nn.Module, optimizer: Any, model_state: dict[str, Any],
              optimizer_state: dict[str, Any]) -> None:
-        load_full_state(model, optimizer, model_state, optimizer_state)
+        """Full state dicts (a checkpoint's), or this rank's shards held in place (:func:`held_shards`)."""
+        if HELD_SHARDS in optimizer_state:
+            load_held_shards(model, optimizer, model_state, optimizer_state)
+        else:
+            load_full_state(model, optimizer, model_state, optimizer_state)
+
+    def held(self, model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's shards for recovery in place (:func:`held_shards`)."""
+        return held_shards(model, optimizer)
 
     def extra(self) -> dict[str, Any]:
         return {}

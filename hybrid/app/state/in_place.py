@@ -282,7 +282,11 @@ class InPlace:
             "model": run.model.state_dict()}
         versions = {"run": version, "model": version, "optimizer": version}
         optimizer = run.optimizer
-        if isinstance(optimizer, NodeShardedOptimizer):
+        held_shards = getattr(access, "held", None)  # comm=hsdp: this rank's FSDP2 shards
+        if held_shards is not None:
+            parts["model"], parts["optimizer"] = held_shards(run.model, optimizer)
+            kind = "sharded_model"
+        elif isinstance(optimizer, NodeShardedOptimizer):
             parts["optimizer"] = optimizer.shard_state()
             versions["optimizer"] = (progress.step + optimizer.updates - progress.optimizer_updates, 0)
             kind = "node_sharded"

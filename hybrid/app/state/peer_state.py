@@ -9,7 +9,7 @@ is held in *parts*, each with who else holds an interchangeable copy of it (:fun
 - ``run``: the schedule, the step, the data position, the RNG, the layout history (and comm=adaptive's mode and
   switches); the same on every worker;
 - ``model`` and ``optimizer``: the same on every worker (every-step modes), a shard of the optimizer the same on
-  the workers of one local rank (``comm.shard_optimizer``), or a node's own (DiLoCo's weights and inner
+  the workers of one local rank (``comm.shard_optimizer``; comm=hsdp: of the model too), or a node's own (DiLoCo's weights and inner
   optimizer, with ``node_outer``: its exchanges in flight);
 - ``outer``: DiLoCo's global weights and outer optimizer state, the same on every worker (``inter=hierarchical``)
   or on the workers of one local rank (``inter=sharded``: a share each).
@@ -40,7 +40,7 @@ __all__ = ["JOB", "KINDS", "Offer", "assemble", "holdings_of", "plan_transfers"]
 
 JOB: tuple[Any, ...] = ("job",)  # every worker of the job holds the same
 # How a run's state is held, which decides its parts and who holds copies of each (:func:`holdings_of`).
-KINDS = ("replicated", "node_sharded", "diloco", "diloco_sharded")
+KINDS = ("replicated", "node_sharded", "sharded_model", "diloco", "diloco_sharded")
 
 
 def holdings_of(kind: str, node: int, local_rank: int) -> dict[str, tuple[tuple[Any, ...], bool]]:
@@ -54,6 +54,8 @@ def holdings_of(kind: str, node: int, local_rank: int) -> dict[str, tuple[tuple[
     if kind in ("diloco", "diloco_sharded"):
         return {"run": (JOB, False), "model": own, "optimizer": own, "node_outer": own,
                 "outer": local if kind == "diloco_sharded" else (JOB, False)}
+    if kind == "sharded_model":  # comm=hsdp: FSDP2 shards the parameters and their optimizer state inside the node
+        return {"run": (JOB, False), "model": local, "optimizer": local}
     return {"run": (JOB, False), "model": (JOB, False),
             "optimizer": local if kind == "node_sharded" else (JOB, False)}
 
