@@ -43,7 +43,11 @@ def test_a_process_that_ran_a_torch_op_gets_a_fresh_interpreter_as_its_agents_fo
             "from hybrid.runtime.launch import start_agent_server\n"
             "torch.set_num_threads(2); (torch.randn(512, 512) @ torch.randn(512, 512)).sum()\n"
             "start_agent_server(print, fork_this_process=True)\n"
-            "print(open(f'/proc/{forkserver._forkserver._forkserver_pid}/cmdline').read().replace(chr(0), ' '))")
+            # Read until the server's exec has set its command line (empty while the kernel replaces its image).
+            "import time; deadline = time.monotonic() + 30\n"
+            "while not (line := open(f'/proc/{forkserver._forkserver._forkserver_pid}/cmdline').read()) "
+            "and time.monotonic() < deadline: time.sleep(0.01)\n"
+            "print(line.replace(chr(0), ' '))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "from multiprocessing.forkserver import main" in done.stdout, done.stdout

@@ -15,9 +15,11 @@ builds its state with :func:`hybrid.app.setup.set_up` and steps it with
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -109,6 +111,8 @@ def run_in_place(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None
         try:
             if session.over:
                 raise JobEnded(f"worker {session.me.key}: the job had finished when this node came back")
+            if session.joining:
+                _import_meanwhile(cfg)
             env = session.join() if session.joining else session.env
         except JobEnded as ended:
             print(f"{ended}: nothing to join", file=sys.stderr, flush=True)
@@ -128,6 +132,15 @@ def run_in_place(cfg: TrainConfig, run_dir: str | None) -> dict[str, Any] | None
             return result
     finally:
         session.close()
+
+
+def _import_meanwhile(cfg: TrainConfig) -> None:
+    """A worker of a returning node waits a second or more for the running workers to make room: the modules its
+    set-up imports beyond what its agent had (comm=hsdp: FSDP2 and torch.distributed.checkpoint, seconds of CPU on
+    a busy machine) are imported meanwhile, on a thread; the set-up's own import waits for it to finish."""
+    if cfg.comm.algorithm == "hsdp":
+        threading.Thread(target=importlib.import_module, args=("hybrid.app.replicas.hsdp",),
+                         name="hybrid-import-meanwhile", daemon=True).start()
 
 
 @contextmanager
