@@ -88,7 +88,11 @@ class Run:
 
 
 def agents_and_workers(pid: int) -> tuple[dict[str, int], set[int]]:
-    agents = {name(p): p for p in under(pid) if name(p).startswith("hybrid-agent-")}
+    # The topmost process of each agent's name (a process it forks carries the name until it renames itself).
+    agents: dict[str, int] = {}
+    for p in under(pid):  # a parent before its children
+        if name(p).startswith("hybrid-agent-"):
+            agents.setdefault(name(p), p)
     return agents, {p for a in agents.values() for p in under(a) if name(p).startswith("hybrid-rank-")}
 
 
