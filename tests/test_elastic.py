@@ -21,7 +21,7 @@ from hybrid.app.checks import check_components, compose_train_config
 from hybrid.runtime.launch import launch_local
 
 from helpers import train_workers
-from helpers.elastic_scenarios import a_lost_node_rejoins_in_place, a_node_killed_in_place, a_node_killed_restart
+from helpers.elastic_scenarios import a_node_killed_in_place, a_node_killed_restart
 from helpers.once import once
 from helpers.processes import all_gone, descendants
 
@@ -259,19 +259,6 @@ def test_in_place_adaptive_loses_a_node_inside_a_diloco_phase_and_switches_back_
                                   "comm.sync_every=4"))
     switches = json.loads((tmp_path / "run" / "metrics.json").read_text())["switches"]
     assert [(s["step"], s["to"]) for s in switches] == [(4, "diloco H=4"), (14, "hierarchical")]
-
-
-# In place only: with restarts the same scenario (and the late node's restart count, which once stalled it) is
-# measured by experiments/recovery/kill_a_node.py --rejoin (RESULTS 8.2); a second run here costs the suite ~40 s.
-@pytest.mark.background  # mostly waits (a heartbeat, an agent's start): beside the first tiers
-def test_a_lost_node_started_again_rejoins_in_place_and_the_job_grows_back(tmp_path):
-    """3x1, cluster.min_nnodes=2: node 0's agent and worker are SIGKILLed after step 11 (node 0 is lost like
-    any other: the store is off the nodes) and its agent is started again 5 s after (``python -m
-    hybrid.runtime.agent JOB_DIR 0``, as the launcher started it), cluster.recovery=in_place: the others keep
-    their processes both times and the returning node gets a survivor's state over the new group. The run ends
-    on 3 nodes with every step done, the history shows the loss and the return, and every replica, the
-    returned node's included, holds the same bits."""
-    a_lost_node_rejoins_in_place(tmp_path)
 
 
 @pytest.mark.background  # mostly waits (torchrun's start, the lost node's heartbeat)

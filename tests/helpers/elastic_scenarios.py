@@ -101,6 +101,8 @@ def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, sto
     try:
         if again is not None:
             job.wait_for(r"^resumed from step \d+ of the survivors' memory", timeout=120)
+            kept = sorted(set(workers(job.proc.pid)) & set(after_kill))
+            assert kept == after_kill, describe_processes(after_kill, [], kept)  # the join restarted no survivor
         code, out, _ = job.finish(timeout=300)
         if again is not None:
             assert again.wait(timeout=60) == 0
