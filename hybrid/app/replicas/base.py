@@ -18,7 +18,7 @@ from hybrid.app.components.losses import LossFn, batch_loss, move_to
 from hybrid.core.timeline import StepRecorder
 
 __all__ = ["SHARDED_STATE_KIND", "PlainState", "RankReplica", "ReplicaDivergence", "Replicas", "StateAccess", "accumulate",
-           "autocast_for", "check_replicas", "grads_finite", "local_part", "param_checksum"]
+           "autocast_for", "check_replicas", "grads_finite", "is_sharded", "local_part", "param_checksum"]
 
 
 def autocast_for(device: torch.device, precision: str) -> Any:
@@ -168,7 +168,7 @@ def param_checksum(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _is_sharded(tensor: torch.Tensor) -> bool:
+def is_sharded(tensor: torch.Tensor) -> bool:
     """A DTensor (comm=hsdp). Looked up where torch.distributed.tensor is already loaded (comm=hsdp loads it):
     importing it costs every worker process CPU time (experiments/RESULTS.md) that the other comms need not pay."""
     module = sys.modules.get("torch.distributed.tensor")
@@ -176,14 +176,14 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
 
 
 def _is_zero_redundancy(optimizer: Any) -> bool:
-    """torch's ZeroRedundancyOptimizer, looked up only where its module is loaded (as :func:`_is_sharded`)."""
+    """torch's ZeroRedundancyOptimizer, looked up only where its module is loaded (as :func:`is_sharded`)."""
     module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded tensor (comm=hsdp's DTensors); the tensor itself where it is whole."""
-    return tensor.to_local() if _is_sharded(tensor) else tensor
+    return tensor.to_local() if is_sharded(tensor) else tensor
 
 
 def grads_finite(model: nn.Module) -> bool:
@@ -192,7 +192,7 @@ def grads_finite(model: nn.Module) -> bool:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     sums = [local_part(g).sum() for g in grads]
     finite = not sums or bool(torch.stack(sums).isfinite().all())
-    if any(_is_sharded(g) for g in grads):
+    if any(is_sharded(g) for g in grads):
         bad = torch.tensor([0.0 if finite else 1.0], device=sums[0].device)
         dist.all_reduce(bad)
         finite = bad.item() == 0

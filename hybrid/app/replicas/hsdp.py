@@ -39,7 +39,7 @@ from torch.distributed.fsdp import fully_shard
 
 from hybrid.app.components.data import BatchStream
 from hybrid.app.components.losses import LossFn
-from hybrid.app.replicas.base import SHARDED_STATE_KIND, accumulate, local_part
+from hybrid.app.replicas.base import SHARDED_STATE_KIND, accumulate, is_sharded, local_part
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
 
@@ -125,7 +125,7 @@ def held_shards(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
     for index, entries in saved["state"].items():
         state[index] = {}
         for key, value in entries.items():
-            if isinstance(value, torch.Tensor) and _is_dtensor(value):
+            if is_sharded(value):
                 sharded.append([index, key])
             state[index][key] = local_part(value) if isinstance(value, torch.Tensor) else value
     return model_part, {"state": state, "param_groups": saved["param_groups"], HELD_SHARDS: sharded}
@@ -157,12 +157,6 @@ def _shard_like(param: Any, local: torch.Tensor) -> Any:
 
     return DTensor.from_local(local.to(param.device), param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride())
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
 
 
 class ShardedState:
