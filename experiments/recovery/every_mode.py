@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from processes import busy, name, start_again, under
+from hybrid.tools.job_processes import busy, name, start_again, under
 
 STEPS = 400
 DILOCO = ("comm=diloco", "comm.sync_every=8", "comm.fragments=2", "comm.overlap=true", "comm.inter_compression=fp8")

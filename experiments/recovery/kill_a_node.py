@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from processes import busy, name, start_again, under
+from hybrid.tools.job_processes import busy, name, start_again, under
 
 REJOIN_CONFIGS = [
     ("3x1 hierarchical, node 0 back 5 s later, restart", 1, "hierarchical", 0, "restart"),

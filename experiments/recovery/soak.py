@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from processes import name, start_again, tree, under
+from hybrid.tools.job_processes import name, start_again, tree, under
 
 HERE = Path(__file__).resolve().parent
 

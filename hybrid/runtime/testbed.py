@@ -446,6 +446,15 @@ class Testbed:
                 self._run("ip", "netns", "exec", ns, "tc", "qdisc", "change", "dev", nic, "root", *link.tbf_args())
         self.links = links
 
+    def sent_bytes(self) -> list[int]:
+        """Bytes each node has sent through its NICs so far: what the switch's ends of its veths received (read
+        in the switch's namespace, where a program outside the nodes counts a job's inter-node traffic)."""
+        received: dict[str, int] = {}
+        for line in self._run("cat", "/proc/net/dev").splitlines()[2:]:
+            name, _, fields = line.partition(":")
+            received[name.strip()] = int(fields.split()[0])
+        return [sum(received[end] for end in ends) for ends in self._host_ends]
+
     def _create_service(self, names: dict[str, str]) -> None:
         """The service namespace: one unshaped NIC on the switch at SERVICE_ADDRESS."""
         ns, host_end = self.service_namespace, self._service_end

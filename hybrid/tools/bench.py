@@ -25,7 +25,8 @@ cross group, all in parallel), the figure the link utilisation target is
 about.
 
 ``python -m hybrid.bench train ...`` is the other mode: it runs the trainer
-itself per configuration (:mod:`hybrid.tools.bench_train`).
+itself per configuration (:mod:`hybrid.tools.bench_train`); ``python -m hybrid.bench ft ...`` runs
+hybrid beside torchft, fault tolerance on in both (:mod:`hybrid.tools.bench_ft`).
 """
 
 from __future__ import annotations
@@ -394,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         from hybrid.tools.bench_train import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["ft"]:
+        from hybrid.tools.bench_ft import main as ft_main
+
+        return ft_main(argv[1:])
     p = _parser()
     args = p.parse_args(argv)
     opts = _options(args, p)

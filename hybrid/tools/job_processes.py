@@ -1,5 +1,5 @@
-"""The process tree of a local hybrid job, and a lost node's agent started again: what the recovery experiments
-(kill_a_node.py, soak.py) share."""
+"""The process tree of a local hybrid job, and a lost node's agent started again: what the recovery benchmarks
+(python -m hybrid.bench ft) and experiments (experiments/recovery: kill_a_node.py, soak.py, every_mode.py) share."""
 
 from __future__ import annotations
 

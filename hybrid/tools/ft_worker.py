@@ -1,0 +1,374 @@
+"""One worker of a torchft replica group: the torchft side of ``python -m hybrid.bench ft`` (:mod:`hybrid.tools.bench_ft`).
+
+Written the way torchft's own examples are (``train_ddp.py``, ``train_fsdp.py``, ``examples/diloco``): a
+``Manager`` over a ``ProcessGroupGloo`` reaching the lighthouse named by ``TORCHFT_LIGHTHOUSE``, one replica group
+per node (``REPLICA_GROUP_ID`` of ``NUM_REPLICA_GROUPS``), each group a ``torchrun`` of its own, a state dict
+for healing from a live peer. What it trains is what hybrid's trainer trains from the same Hydra overrides,
+built by hybrid's own components: the model and its initial weights (``trainer.seed``), the data in the same
+global order (:class:`~hybrid.app.components.data.BatchStream`, rank = group x workers + local rank), AdamW and
+its schedule, the loss and the clipping. So the two systems differ only in how they keep the replicas equal and
+recover them.
+
+Modes (``--mode``):
+
+- ``ddp``: one worker per group, torchft's ``DistributedDataParallel`` and ``Optimizer`` (train_ddp.py);
+- ``hsdp``: several workers per group, FSDP2 over the group's workers and the Manager across groups (its
+  all-reduce hook on every FSDP module), DCP's state dicts for healing (train_fsdp.py, torchtitan's torchft
+  HSDP);
+- ``diloco``: ``torchft.local_sgd.DiLoCo`` with ``--fragments`` model fragments (Streaming DiLoCo), inner AdamW,
+  the outer optimizer of ``comm.outer_optim`` (examples/diloco);
+- ``plain``: torch's own DDP (or FSDP2 with ``--workers-per-group`` > 1... as hsdp but without torchft) over
+  one torchrun rendezvous of every node: the fault tolerance off, the cost of it shown by the difference.
+
+Output: the first worker of each group prints ``ft step N loss L`` after each committed step (a step torchft
+did not commit prints nothing), and ``ft healed B bytes from replica R`` after a recovery from a peer; every
+worker writes ``--out/g<group>-r<rank>.json`` at the end (steps, checksum of what it holds, tail loss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections import deque
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+MODES = ("ddp", "hsdp", "diloco", "plain")
+TAIL_STEPS = 50  # as hybrid's metrics.json tail_loss
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hybrid.tools.ft_worker", description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=MODES, required=True)
+    p.add_argument("--out", required=True, help="folder for each worker's result file")
+    p.add_argument("--fragments", type=int, default=1, help="diloco: model fragments (Streaming DiLoCo)")
+    p.add_argument("--fragment-sync-delay", type=int, default=0, help="diloco: inner steps an exchange may take")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of hybrid's training config (model, data, optim)")
+    return p
+
+
+def _tensor_bytes(state: Any) -> int:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return state.to_local().numel() * state.element_size()
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in state)
+    return 0
+
+
+def _checksum(tensors: list[Any]) -> str:
+    """sha256 of what this worker holds: its local shards where the tensors are DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    digest = hashlib.sha256()
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        digest.update(local.detach().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _fragments(model: Any, count: int) -> list[Any]:
+    """``count`` contiguous runs of the model's top-level children, of about equal parameter counts."""
+    import torch.nn as nn
+
+    children = [c for c in model.children() if any(True for _ in c.parameters())]
+    if count < 1 or count > len(children):
+        raise SystemExit(f"--fragments {count}: the model has {len(children)} top-level parts with parameters")
+    sizes = [sum(p.numel() for p in c.parameters()) for c in children]
+    target, fragments, current, held = sum(sizes) / count, [], [], 0.0
+    for child, size in zip(children, sizes):
+        current.append(child)
+        held += size
+        left = len(children) - children.index(child) - 1
+        if len(fragments) < count - 1 and (held >= target * (len(fragments) + 1) or left == count - 1 - len(fragments)):
+            fragments.append(nn.ModuleList(current))
+            current = []
+    fragments.append(nn.ModuleList(current))
+    return fragments
+
+
+class Stream:
+    """hybrid's batch stream of this worker, put at committed step ``step``'s samples when it is not there (after
+    torchft healed this group from a peer at a later step: what a user's StatefulDataLoader restore does)."""
+
+    def __init__(self, dataset: Any, batch: int, rank: int, world: int, seed: int) -> None:
+        from hybrid.app.components.data import BatchStream
+
+        self.stream = BatchStream(dataset, batch, rank, world, seed, pin_memory=False, num_workers=0)
+        self.global_batch, self.at = batch * world, 0
+        self.per_epoch = len(dataset) // self.global_batch * self.global_batch
+
+    def next(self, step: int) -> tuple[Any, Any]:
+        if step != self.at:
+            samples = step * self.global_batch
+            self.stream.restore({"epoch": samples // self.per_epoch, "samples": samples % self.per_epoch})
+        self.at = step + 1
+        return next(self.stream)
+
+
+def _setup(args: argparse.Namespace) -> dict[str, Any]:
+    from hybrid.app.checks import compose_train_config
+    from hybrid.app.setup import build_loss, load_dataset
+
+    groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
+    group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+    per_group = int(os.environ["LOCAL_WORLD_SIZE"])
+    local = int(os.environ["LOCAL_RANK"])
+    cfg = compose_train_config([*args.overrides, f"cluster.nnodes={groups}", f"cluster.nproc_per_node={per_group}"])
+    dataset = load_dataset(cfg.data)
+    stream = Stream(dataset, cfg.data.batch_size, group * per_group + local, groups * per_group, cfg.trainer.seed)
+    return {"cfg": cfg, "group": group, "groups": groups, "local": local, "per_group": per_group,
+            "stream": stream, "loss_fn": build_loss(cfg.loss)}
+
+
+def _model(cfg: Any) -> Any:
+    import torch
+
+    from hybrid.app.setup import build_model
+
+    torch.manual_seed(cfg.trainer.seed)  # the same initial weights as hybrid's trainer (build_training)
+    return build_model(cfg.model, torch.device("cpu"))
+
+
+def _optimizer(params: Any, cfg: Any) -> Any:
+    from hybrid.app.components.optim import build_optimizer
+
+    return build_optimizer(params, cfg.optim)
+
+
+def _set_lr(optimizer: Any, base: list[float], step: int, cfg: Any) -> None:
+    from hybrid.app.components.optim import lr_factor
+
+    factor = lr_factor(step, cfg.optim, cfg.trainer.max_steps)
+    for group, lr in zip(optimizer.param_groups, base):
+        group["lr"] = lr * factor
+
+
+def _manager(pg: Any, group: int, state: tuple[Any, Any], transport: Any | None, **kwargs: Any) -> Any:
+    from torchft import Manager
+
+    load, save = state
+    return Manager(pg=pg, min_replica_size=1, load_state_dict=load, state_dict=save,
+                   replica_id=f"hybrid_bench_ft_{group}", timeout=timedelta(seconds=30),
+                   checkpoint_transport=transport, **kwargs)
+
+
+def _healed(received: dict[str, Any], what: Any, manager_of: Any) -> None:
+    received["bytes"] += _tensor_bytes(what)
+    received["times"] += 1
+    received["step"] = manager_of().current_step() if manager_of() is not None else None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    s = _setup(args)
+    cfg, group = s["cfg"], s["group"]
+    cpu = torch.device("cpu")
+    model = _model(cfg)
+    received = {"bytes": 0, "times": 0, "step": None}
+    manager = None
+    diloco = None
+    if args.mode == "plain":
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        if s["per_group"] > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from hybrid.app.replicas.hsdp import shard_model
+
+            mesh = init_device_mesh("cpu", (s["groups"], s["per_group"]), mesh_dim_names=("replicate", "shard"))
+            model = shard_model(model, mesh)
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = inner = _optimizer(model.parameters(), cfg)
+    else:
+        from torchft import ProcessGroupGloo
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=5))  # the examples' CPU choice
+        if args.mode == "ddp":
+            from torchft import Optimizer
+
+            plain = model
+            inner = _optimizer(plain.parameters(), cfg)
+
+            def load(state: dict[str, Any]) -> None:
+                _healed(received, state, lambda: manager)
+                plain.load_state_dict(state["model"])
+                inner.load_state_dict(state["optim"])
+
+            def save() -> dict[str, Any]:
+                return {"model": plain.state_dict(), "optim": inner.state_dict()}
+
+            manager = _manager(pg, group, (load, save), PGTransport(pg, timeout=timedelta(seconds=10), device=cpu))
+            model = _fixed_ddp()(manager, plain)
+            optimizer = Optimizer(manager, inner)
+        elif args.mode == "hsdp":
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import FSDPModule
+            from torchft import Optimizer
+
+            from hybrid.app.replicas.hsdp import shard_model
+
+            dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # the group's own workers
+            mesh = init_device_mesh("cpu", (s["per_group"],), mesh_dim_names=("shard",))
+            model = shard_model(model, mesh)
+            inner = _optimizer(model.parameters(), cfg)
+
+            def load(state: dict[str, Any]) -> None:
+                _healed(received, state, lambda: manager)
+                set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+            def save() -> dict[str, Any]:
+                model_state, optim_state = get_state_dict(model, inner)
+                return {"model": model_state, "optim": optim_state}
+
+            manager = _manager(pg, group, (load, save), None, use_async_quorum=False)
+
+            def across_groups(output: torch.Tensor) -> None:
+                manager.allreduce(output).wait()  # averaged over the participating groups
+
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_all_reduce_hook(across_groups)
+            optimizer = Optimizer(manager, inner)
+        else:  # diloco
+            from torchft.local_sgd import DiLoCo
+
+            inner = _optimizer(model.parameters(), cfg)
+            outer_cfg = {k: v for k, v in cfg.comm.outer_optim.items() if not k.startswith("_")}
+            fragments = _fragments(model, args.fragments)
+            outers = [torch.optim.SGD(f.parameters(), **outer_cfg) for f in fragments]
+
+            def load(state: dict[str, Any]) -> None:
+                _healed(received, state, lambda: manager)
+                model.load_state_dict(state["model"])
+                inner.load_state_dict(state["inner_optim"])
+
+            def save() -> dict[str, Any]:
+                return {"model": model.state_dict(), "inner_optim": inner.state_dict()}
+
+            manager = _manager(pg, group, (load, save), PGTransport(pg, timeout=timedelta(seconds=10), device=cpu),
+                               use_async_quorum=False)
+            diloco = DiLoCo(manager, fragments, inner, outers, sync_every=cfg.comm.sync_every, backup_device=cpu,
+                            pin_memory=False, fragment_sync_delay=args.fragment_sync_delay)
+            optimizer = inner
+    base = [g["lr"] for g in inner.param_groups]
+    return _train(args, s, model, optimizer, inner, base, manager, diloco, received)
+
+
+def _fixed_ddp() -> type:
+    """torchft's ``DistributedDataParallel`` with its comm hook fixed for a peer's loss. Shipped (0.2.0), the hook
+    hands DDP's reducer the process group's own future: after a peer's loss that is the no-op work's future, on
+    which the hook asserts (meta-pytorch/torchft#294, open), or a failed gloo future, on which torch 2.13's
+    reducer crashes (SIGSEGV, seen here). Either way the survivors die instead of going on. Fixed, the hook waits
+    for the Manager's work (which averages the bucket in place, or records the error so that ``should_commit``
+    discards the step) and hands the reducer a future finished with the bucket itself."""
+    import torch
+    from torchft import DistributedDataParallel
+
+    class Fixed(DistributedDataParallel):
+        @staticmethod
+        def _comm_hook(state, bucket):  # noqa: ANN001, ANN205 - DDP checks a hook's annotations: a string fails
+            state.allreduce(bucket.buffer()).wait()
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+
+    return Fixed
+
+
+def _step_of(manager: Any, done: int) -> int:
+    return manager.current_step() if manager is not None else done
+
+
+def _train(args: argparse.Namespace, s: dict[str, Any], model: Any, optimizer: Any, inner: Any, base: list[float],
+           manager: Any, diloco: Any, received: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from hybrid.app.components.losses import batch_loss
+
+    cfg, stream, loss_fn = s["cfg"], s["stream"], s["loss_fn"]
+    first = s["local"] == 0
+    losses: deque[float] = deque(maxlen=TAIL_STEPS)
+    attempts = committed = 0
+    step_times: list[float] = []
+    local_steps = 0  # diloco: inner steps (its manager's step counts outer syncs)
+    context = diloco if diloco is not None else _Nothing()
+    last = time.monotonic()
+    with context:
+        while True:
+            step = local_steps if diloco is not None else _step_of(manager, committed)
+            if step >= cfg.trainer.max_steps:
+                break
+            _set_lr(inner, base, step, cfg)
+            x, y = stream.next(step)
+            optimizer.zero_grad()
+            loss = batch_loss(model, x, y, loss_fn)
+            loss.backward()
+            if cfg.trainer.grad_clip_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
+            optimizer.step()
+            attempts += 1
+            after = local_steps + 1 if diloco is not None else _step_of(manager, committed + 1)
+            if diloco is not None:
+                local_steps += 1
+            if after > step:  # committed (torchft DDP/HSDP: should_commit said so; plain: always)
+                committed += 1
+                losses.append(float(loss))
+                now = time.monotonic()
+                step_times.append(now - last)
+                last = now
+                if first:
+                    print(f"ft step {after} loss {float(loss):.4f}", flush=True)
+            if received["times"] and first and received.get("said") != received["times"]:
+                received["said"] = received["times"]
+                print(f"ft healed {received['bytes']} bytes at step {received['step']}", flush=True)
+    held = [p for p in model.parameters()]
+    if diloco is not None:  # the global copy: streaming leaves each fragment's local weights apart until its sync
+        held = [t for f in diloco._fragments for t in f.original_parameters.values()]
+    return {"group": s["group"], "local_rank": s["local"], "steps": committed, "attempts": attempts,
+            "checksum": _checksum(held), "tail_loss": statistics.fmean(losses) if losses else None,
+            "step_times": step_times, "received_bytes": received["bytes"], "healed": received["times"]}
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    result = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"g{result['group']}-r{result['local_rank']}.json").write_text(json.dumps(result))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os._exit(0)  # torchft's manager threads must not hold the exit (the result is written)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
