@@ -120,7 +120,7 @@ class FtBenchOptions:
     rounds: int = 3
     layouts: list[str] = field(default_factory=lambda: ["3x1", "3x2"])
     steps: int = 60  # healthy
-    recovery_steps: int = 300  # kill and rejoin: enough for the returning node to join before the end
+    recovery_steps: int = 100  # kill and rejoin: enough for the returning node to join before the end
     kill_after: int = 12
     link_mbit: float = 500.0
     diloco_steps: int = 200
@@ -333,9 +333,26 @@ def _quorums(text: str) -> int:
     return len(set(re.findall(r"^\[lighthouse\] .*quorum_id[=: ]+(\d+)", text, re.MULTILINE)))
 
 
+def _kill_group(job: Job, groups: list[subprocess.Popen], opts: FtBenchOptions, deadline: float) -> dict[str, Any]:
+    """SIGKILL group :data:`KILLED` (its torchrun and workers) after step ``kill_after``: the seconds to the
+    survivors' next committed step, and the steps they lost (a step after the kill numbered at most the kill's)."""
+    from hybrid.tools.job_processes import under
+
+    job.until(rf"^\[g0\] ft step {opts.kill_after} ", deadline)
+    victim = groups[KILLED]
+    for pid in [victim.pid, *under(victim.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    kill = time.monotonic()
+    at, found = job.until(LOOKING_FOR["torchft"], deadline, after=kill)
+    victim.wait(timeout=30)
+    return {"kill_to_next_step_s": at - kill, "steps_lost": max(0, opts.kill_after + 1 - int(found.group(1)))}
+
+
 def run_torchft(spec: RunSpec, opts: FtBenchOptions, scenario: str, where: Path) -> dict[str, Any]:
     from hybrid.runtime.testbed import LinkShape, Testbed
-    from hybrid.tools.job_processes import under
 
     steps, mbit = _steps_and_rate(scenario, opts)
     nodes, workers = spec.shape
@@ -348,21 +365,8 @@ def run_torchft(spec: RunSpec, opts: FtBenchOptions, scenario: str, where: Path)
                 _lighthouse(job, bed)
             sent_before = bed.sent_bytes()
             groups = [_start_group(job, bed, spec, node, opts, steps, out) for node in range(nodes)]
-            step_pattern = LOOKING_FOR["torchft"]
             if scenario in ("kill", "rejoin"):
-                job.until(rf"^\[g0\] ft step {opts.kill_after} ", deadline)
-                victim = groups[KILLED]
-                for pid in [victim.pid, *under(victim.pid)]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                kill = time.monotonic()
-                at, found = job.until(step_pattern, deadline, after=kill)
-                row.update(kill_to_next_step_s=at - kill)
-                attempts_note = int(found.group(1))
-                row["steps_lost"] = max(0, opts.kill_after + 1 - attempts_note)
-                victim.wait(timeout=30)
+                row.update(_kill_group(job, groups, opts, deadline))
                 if scenario == "rejoin":
                     started = time.monotonic()
                     groups[KILLED] = _start_group(job, bed, spec, KILLED, opts, steps, out)

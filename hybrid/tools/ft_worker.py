@@ -28,6 +28,7 @@ worker writes ``--out/g<group>-r<rank>.json`` at the end (steps, checksum of wha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -173,104 +174,140 @@ def _healed(received: dict[str, Any], what: Any, manager_of: Any) -> None:
     received["step"] = manager_of().current_step() if manager_of() is not None else None
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+class Built:
+    """What one mode builds: the model as it trains, the optimizer stepped, the inner optimizer (whose learning rate
+    the schedule sets), torchft's Manager and DiLoCo (None where the mode has none), and what healing received."""
+
+    def __init__(self, model: Any, optimizer: Any, inner: Any, manager: Any = None, diloco: Any = None,
+                 received: dict[str, Any] | None = None) -> None:
+        self.model, self.optimizer, self.inner, self.manager, self.diloco = model, optimizer, inner, manager, diloco
+        self.received = received if received is not None else {"bytes": 0, "times": 0, "step": None}
+
+
+def _plain(model: Any, s: dict[str, Any]) -> Built:
+    """torch alone over one rendezvous of every node: DDP, or FSDP2 on a (groups, workers) mesh."""
     import torch
     import torch.distributed as dist
 
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    if s["per_group"] > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from hybrid.app.replicas.hsdp import shard_model
+
+        mesh = init_device_mesh("cpu", (s["groups"], s["per_group"]), mesh_dim_names=("replicate", "shard"))
+        model = shard_model(model, mesh)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = _optimizer(model.parameters(), s["cfg"])
+    return Built(model, optimizer, optimizer)
+
+
+def _pg_transport(pg: Any) -> Any:
+    import torch
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    return PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu"))
+
+
+def _ddp(model: Any, s: dict[str, Any], pg: Any) -> Built:
+    """torchft's DDP, Manager and Optimizer (its train_ddp.py), healing over the process group."""
+    from torchft import Optimizer
+
+    inner = _optimizer(model.parameters(), s["cfg"])
+    built = Built(model, None, inner)
+
+    def load(state: dict[str, Any]) -> None:
+        _healed(built.received, state, lambda: built.manager)
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["optim"])
+
+    def save() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": inner.state_dict()}
+
+    built.manager = _manager(pg, s["group"], (load, save), _pg_transport(pg))
+    built.model = _fixed_ddp()(built.manager, model)
+    built.optimizer = Optimizer(built.manager, inner)
+    return built
+
+
+def _hsdp(model: Any, s: dict[str, Any], pg: Any) -> Built:
+    """FSDP2 over the group's workers, the Manager's all-reduce across groups on every FSDP module's gradients,
+    DCP's state dicts for healing (train_fsdp.py, torchtitan's torchft HSDP)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torchft import Optimizer
+
+    from hybrid.app.replicas.hsdp import shard_model
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # the group's own workers
+    model = shard_model(model, init_device_mesh("cpu", (s["per_group"],), mesh_dim_names=("shard",)))
+    inner = _optimizer(model.parameters(), s["cfg"])
+    built = Built(model, None, inner)
+
+    def load(state: dict[str, Any]) -> None:
+        _healed(built.received, state, lambda: built.manager)
+        set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def save() -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(model, inner)
+        return {"model": model_state, "optim": optim_state}
+
+    manager = built.manager = _manager(pg, s["group"], (load, save), None, use_async_quorum=False)
+
+    def across_groups(output: torch.Tensor) -> None:
+        manager.allreduce(output).wait()  # averaged over the participating groups
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(across_groups)
+    built.optimizer = Optimizer(manager, inner)
+    return built
+
+
+def _diloco(model: Any, s: dict[str, Any], pg: Any, args: argparse.Namespace) -> Built:
+    """``torchft.local_sgd.DiLoCo`` over ``--fragments`` fragments (examples/diloco), the outer optimizer of
+    ``comm.outer_optim``."""
+    import torch
+    from torchft.local_sgd import DiLoCo
+
+    cfg = s["cfg"]
+    inner = _optimizer(model.parameters(), cfg)
+    outer_cfg = {k: v for k, v in cfg.comm.outer_optim.items() if not k.startswith("_")}
+    fragments = _fragments(model, args.fragments)
+    outers = [torch.optim.SGD(f.parameters(), **outer_cfg) for f in fragments]
+    built = Built(model, inner, inner)
+
+    def load(state: dict[str, Any]) -> None:
+        _healed(built.received, state, lambda: built.manager)
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["inner_optim"])
+
+    def save() -> dict[str, Any]:
+        return {"model": model.state_dict(), "inner_optim": inner.state_dict()}
+
+    built.manager = _manager(pg, s["group"], (load, save), _pg_transport(pg), use_async_quorum=False)
+    built.diloco = DiLoCo(built.manager, fragments, inner, outers, sync_every=cfg.comm.sync_every,
+                          backup_device=torch.device("cpu"), pin_memory=False,
+                          fragment_sync_delay=args.fragment_sync_delay)
+    return built
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     s = _setup(args)
-    cfg, group = s["cfg"], s["group"]
-    cpu = torch.device("cpu")
-    model = _model(cfg)
-    received = {"bytes": 0, "times": 0, "step": None}
-    manager = None
-    diloco = None
+    model = _model(s["cfg"])
     if args.mode == "plain":
-        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-        if s["per_group"] > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            from hybrid.app.replicas.hsdp import shard_model
-
-            mesh = init_device_mesh("cpu", (s["groups"], s["per_group"]), mesh_dim_names=("replicate", "shard"))
-            model = shard_model(model, mesh)
-        else:
-            model = torch.nn.parallel.DistributedDataParallel(model)
-        optimizer = inner = _optimizer(model.parameters(), cfg)
+        built = _plain(model, s)
     else:
         from torchft import ProcessGroupGloo
-        from torchft.checkpointing.pg_transport import PGTransport
 
         pg = ProcessGroupGloo(timeout=timedelta(seconds=5))  # the examples' CPU choice
-        if args.mode == "ddp":
-            from torchft import Optimizer
-
-            plain = model
-            inner = _optimizer(plain.parameters(), cfg)
-
-            def load(state: dict[str, Any]) -> None:
-                _healed(received, state, lambda: manager)
-                plain.load_state_dict(state["model"])
-                inner.load_state_dict(state["optim"])
-
-            def save() -> dict[str, Any]:
-                return {"model": plain.state_dict(), "optim": inner.state_dict()}
-
-            manager = _manager(pg, group, (load, save), PGTransport(pg, timeout=timedelta(seconds=10), device=cpu))
-            model = _fixed_ddp()(manager, plain)
-            optimizer = Optimizer(manager, inner)
-        elif args.mode == "hsdp":
-            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import FSDPModule
-            from torchft import Optimizer
-
-            from hybrid.app.replicas.hsdp import shard_model
-
-            dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # the group's own workers
-            mesh = init_device_mesh("cpu", (s["per_group"],), mesh_dim_names=("shard",))
-            model = shard_model(model, mesh)
-            inner = _optimizer(model.parameters(), cfg)
-
-            def load(state: dict[str, Any]) -> None:
-                _healed(received, state, lambda: manager)
-                set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-            def save() -> dict[str, Any]:
-                model_state, optim_state = get_state_dict(model, inner)
-                return {"model": model_state, "optim": optim_state}
-
-            manager = _manager(pg, group, (load, save), None, use_async_quorum=False)
-
-            def across_groups(output: torch.Tensor) -> None:
-                manager.allreduce(output).wait()  # averaged over the participating groups
-
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.set_all_reduce_hook(across_groups)
-            optimizer = Optimizer(manager, inner)
-        else:  # diloco
-            from torchft.local_sgd import DiLoCo
-
-            inner = _optimizer(model.parameters(), cfg)
-            outer_cfg = {k: v for k, v in cfg.comm.outer_optim.items() if not k.startswith("_")}
-            fragments = _fragments(model, args.fragments)
-            outers = [torch.optim.SGD(f.parameters(), **outer_cfg) for f in fragments]
-
-            def load(state: dict[str, Any]) -> None:
-                _healed(received, state, lambda: manager)
-                model.load_state_dict(state["model"])
-                inner.load_state_dict(state["inner_optim"])
-
-            def save() -> dict[str, Any]:
-                return {"model": model.state_dict(), "inner_optim": inner.state_dict()}
-
-            manager = _manager(pg, group, (load, save), PGTransport(pg, timeout=timedelta(seconds=10), device=cpu),
-                               use_async_quorum=False)
-            diloco = DiLoCo(manager, fragments, inner, outers, sync_every=cfg.comm.sync_every, backup_device=cpu,
-                            pin_memory=False, fragment_sync_delay=args.fragment_sync_delay)
-            optimizer = inner
-    base = [g["lr"] for g in inner.param_groups]
-    return _train(args, s, model, optimizer, inner, base, manager, diloco, received)
+        builders = {"ddp": _ddp, "hsdp": _hsdp, "diloco": lambda m, s_, p: _diloco(m, s_, p, args)}
+        built = builders[args.mode](model, s, pg)
+    return _train(s, built)
 
 
 def _fixed_ddp() -> type:
@@ -298,19 +335,21 @@ def _step_of(manager: Any, done: int) -> int:
     return manager.current_step() if manager is not None else done
 
 
-def _train(args: argparse.Namespace, s: dict[str, Any], model: Any, optimizer: Any, inner: Any, base: list[float],
-           manager: Any, diloco: Any, received: dict[str, Any]) -> dict[str, Any]:
+def _train(s: dict[str, Any], built: Built) -> dict[str, Any]:
     import torch
 
     from hybrid.app.components.losses import batch_loss
 
+    model, optimizer, inner, manager, diloco, received = (built.model, built.optimizer, built.inner, built.manager,
+                                                          built.diloco, built.received)
+    base = [g["lr"] for g in inner.param_groups]
     cfg, stream, loss_fn = s["cfg"], s["stream"], s["loss_fn"]
     first = s["local"] == 0
     losses: deque[float] = deque(maxlen=TAIL_STEPS)
     attempts = committed = 0
     step_times: list[float] = []
     local_steps = 0  # diloco: inner steps (its manager's step counts outer syncs)
-    context = diloco if diloco is not None else _Nothing()
+    context = diloco if diloco is not None else contextlib.nullcontext()
     last = time.monotonic()
     with context:
         while True:
@@ -340,20 +379,19 @@ def _train(args: argparse.Namespace, s: dict[str, Any], model: Any, optimizer: A
             if received["times"] and first and received.get("said") != received["times"]:
                 received["said"] = received["times"]
                 print(f"ft healed {received['bytes']} bytes at step {received['step']}", flush=True)
-    held = [p for p in model.parameters()]
-    if diloco is not None:  # the global copy: streaming leaves each fragment's local weights apart until its sync
-        held = [t for f in diloco._fragments for t in f.original_parameters.values()]
-    return {"group": s["group"], "local_rank": s["local"], "steps": committed, "attempts": attempts,
-            "checksum": _checksum(held), "tail_loss": statistics.fmean(losses) if losses else None,
-            "step_times": step_times, "received_bytes": received["bytes"], "healed": received["times"]}
+    reached = local_steps if diloco is not None else _step_of(manager, committed)
+    return _result(s, built, {"steps": reached, "committed": committed, "attempts": attempts,
+                              "tail_loss": statistics.fmean(losses) if losses else None, "step_times": step_times})
 
 
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+def _result(s: dict[str, Any], built: Built, counts: dict[str, Any]) -> dict[str, Any]:
+    """This worker's result file: ``steps`` is the step it ended at (a group healed past a step it did not commit
+    itself counts it), ``committed`` the steps it committed, the checksum of what it holds."""
+    held = list(built.model.parameters())
+    if built.diloco is not None:  # the global copy: streaming leaves each fragment's local weights apart until sync
+        held = [t for f in built.diloco._fragments for t in f.original_parameters.values()]
+    return {"group": s["group"], "local_rank": s["local"], **counts, "checksum": _checksum(held),
+            "received_bytes": built.received["bytes"], "healed": built.received["times"]}
 
 
 def main(argv: list[str] | None = None) -> int:
