@@ -19,9 +19,8 @@ REASON = testbed_available() or bench_ft.torchft_missing()
 needs_testbed_and_torchft = pytest.mark.skipif(REASON is not None, reason=f"cannot run torchft's side: {REASON}")
 
 
-@pytest.mark.testbed
-@pytest.mark.background  # mostly waits (the slow link, torchft's quorums, the returning group's start)
-@needs_testbed_and_torchft
+@pytest.mark.testbed  # in the main lane, not the background one: it composes Hydra's config in this process and
+@needs_testbed_and_torchft  # holds a testbed of this process, which tests/test_testbed.py looks for
 def test_torchfts_groups_go_on_without_a_lost_one_and_heal_it_from_a_peer_when_it_returns(tmp_path):
     import torch
 

@@ -96,7 +96,7 @@ def _declare(name: str) -> None:
     """Run ``name`` in the background (helpers.background) where its test is selected."""
     test = f"test_examples.py::test_the_example_runs_as_documented_and_only_node_leaders_cross_nodes[{name}]"
     background.declare(f"example {name}", lambda test_id: test_id.endswith(test),
-                       lambda: run_documented(examples_on(PAGES[name])[name]), alone="port 29400")
+                       lambda: run_documented(examples_on(PAGES[name])[name]))
 
 
 for _name in sorted(PAGES):

@@ -4,15 +4,13 @@ A program started the way its users start it (two ``torchrun`` agents: Lightning
 accelerate, the examples) pays its library's imports in every process, about 2 CPU-seconds each, and none
 of it can be forked from a warm process; a test of a failure (a node killed, an elastic restart) mostly
 waits. The suite runs the one-process tiers first (unit, then packaging: about a minute, mostly on one
-core), so these jobs, started in :data:`LANES` background threads in the order they were declared, use
-the other core then and wait while others compute: two at a time, since most of them mostly wait. A test
-reads its job with :func:`result`, which waits for it (or runs it at once if it was not started:
-``pytest tests/test_examples.py -k hf``). A test marked ``background`` is such a job itself
-(tests/conftest.py runs its function in these threads).
+core), so these jobs, started in one background thread in the order they were declared, use the other
+core then and wait while others compute. A test reads its job with :func:`result`, which waits for it (or
+runs it at once if it was not started: ``pytest tests/test_examples.py -k hf``). A test marked
+``background`` is such a job itself (tests/conftest.py runs its function in this thread).
 
 Jobs must not depend on the tests around them: their own temporary folders, ports outside the ones tests
-pick (torchrun's documented 29400 is below the kernel's ephemeral range; the jobs that use it, the examples,
-run one at a time: ``alone``), a session of their own.
+pick (torchrun's documented 29400 is below the kernel's ephemeral range), a session of their own.
 """
 
 from __future__ import annotations
@@ -26,61 +24,28 @@ from typing import Any, Callable
 
 __all__ = ["declare", "result", "start", "started", "stop", "track", "wait_all"]
 
-LANES = 2  # jobs at once: most wait far more than they compute (a heartbeat, a timeout, a slow link, start-up)
-_DECLARED: dict[str, tuple[Callable[[str], bool], Callable[[], Any], str | None]] = {}  # name -> (wanted?, job, alone)
+_DECLARED: dict[str, tuple[Callable[[str], bool], Callable[[], Any]]] = {}  # job name -> (wanted by test id?, job)
 _STARTED: dict[str, Future] = {}
 _PROCESSES: list[subprocess.Popen] = []
 _LOCK = threading.Lock()
 _EXECUTOR: ThreadPoolExecutor | None = None
-_QUEUE: list[str] = []  # started, not yet running: taken in order, skipping a job whose ``alone`` group is running
-_RUNNING: set[str] = set()  # the ``alone`` groups of the jobs running now
-_CHANGED = threading.Condition(_LOCK)
 
 
-def declare(name: str, wanted_by: Callable[[str], bool], job: Callable[[], Any], alone: str | None = None) -> None:
-    """Make ``job`` startable in the background under ``name``, for the tests whose ids ``wanted_by`` accepts.
-    Jobs of the same ``alone`` group never run at the same time (the examples: their documented fixed port)."""
-    _DECLARED[name] = (wanted_by, job, alone)
+def declare(name: str, wanted_by: Callable[[str], bool], job: Callable[[], Any]) -> None:
+    """Make ``job`` startable in the background under ``name``, for the tests whose ids ``wanted_by`` accepts."""
+    _DECLARED[name] = (wanted_by, job)
 
 
 def start(test_ids: list[str]) -> list[str]:
-    """Start, in :data:`LANES` threads, in the order declared, the jobs the tests ``test_ids`` want; their names."""
+    """Start, one after the other in one thread, the jobs the tests ``test_ids`` want; their names."""
     global _EXECUTOR
-    names = [name for name, (wanted_by, _, _) in _DECLARED.items()
+    names = [name for name, (wanted_by, _) in _DECLARED.items()
              if name not in _STARTED and any(wanted_by(test_id) for test_id in test_ids)]
     if names and _EXECUTOR is None:
-        _EXECUTOR = ThreadPoolExecutor(max_workers=LANES, thread_name_prefix="background-job")
-    with _LOCK:
-        _QUEUE.extend(names)
+        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-job")
     for name in names:
-        _STARTED[name] = Future()  # the job's own outcome, set by whichever runner takes it
-        _EXECUTOR.submit(_run_next)
+        _STARTED[name] = _EXECUTOR.submit(_DECLARED[name][1])
     return names
-
-
-def _run_next() -> Any:
-    """Take the first queued job that may run now (its ``alone`` group idle), run it, and set its outcome."""
-    with _CHANGED:
-        while True:
-            name = next((n for n in _QUEUE if _DECLARED[n][2] is None or _DECLARED[n][2] not in _RUNNING), None)
-            if name is not None:
-                break
-            _CHANGED.wait(timeout=1.0)
-        _QUEUE.remove(name)
-        alone = _DECLARED[name][2]
-        if alone is not None:
-            _RUNNING.add(alone)
-    try:
-        outcome = _STARTED[name]
-        try:
-            outcome.set_result(_DECLARED[name][1]())
-        except BaseException as exc:  # noqa: BLE001 - handed to the job's test, which raises it
-            outcome.set_exception(exc)
-    finally:
-        with _CHANGED:
-            if alone is not None:
-                _RUNNING.discard(alone)
-            _CHANGED.notify_all()
 
 
 def result(name: str, timeout_s: float = 600) -> Any:
