@@ -27,8 +27,8 @@ Scenarios (one JSON row per configuration and round, and a table of medians over
 - ``rejoin``: in the same run, node 2 started again as it was started; seconds from its start to its first step
   (``rejoin_s``), the bytes of state it received and from where;
 - ``diloco``: 3x1 at :attr:`FtBenchOptions.diloco_mbit` Mbit/s, H=:attr:`FtBenchOptions.sync_every`, 2
-  fragments: samples/s, inter-node bytes per step (the busiest node's NIC) and the mean loss of the last 50
-  steps of every worker (``tail_loss``).
+  fragments: samples/s, inter-node bytes per step (the busiest node's NIC) and the mean loss of every worker's
+  last steps (``tail_loss``, over metrics.json's ``TAIL_STEPS``, 20, on both sides).
 
 Every row has ``scenario``, ``system``, ``config``, ``layout``, ``identical`` (replicas equal at the end: torchft's
 DiLoCo its global copies, which streaming keeps equal while each fragment's local weights differ until its

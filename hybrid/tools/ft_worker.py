@@ -43,7 +43,6 @@ from typing import Any
 __all__ = ["main"]
 
 MODES = ("ddp", "hsdp", "diloco", "plain")
-TAIL_STEPS = 50  # as hybrid's metrics.json tail_loss
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -345,6 +344,8 @@ def _train(s: dict[str, Any], built: Built) -> dict[str, Any]:
     base = [g["lr"] for g in inner.param_groups]
     cfg, stream, loss_fn = s["cfg"], s["stream"], s["loss_fn"]
     first = s["local"] == 0
+    from hybrid.app.observability.metrics import TAIL_STEPS  # metrics.json's tail_loss: the same steps
+
     losses: deque[float] = deque(maxlen=TAIL_STEPS)
     attempts = committed = 0
     step_times: list[float] = []
