@@ -209,22 +209,28 @@ def _pg_transport(pg: Any) -> Any:
     return PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu"))
 
 
+def _whole_state(built: Built, model: Any, inner: Any, optim_key: str) -> tuple[Any, Any]:
+    """The Manager's (load, save) of an unsharded model and its optimizer, under the keys torchft's examples use
+    (``optim`` for DDP, ``inner_optim`` for DiLoCo); a load counts what healing received."""
+
+    def load(state: dict[str, Any]) -> None:
+        _healed(built.received, state, lambda: built.manager)
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state[optim_key])
+
+    def save() -> dict[str, Any]:
+        return {"model": model.state_dict(), optim_key: inner.state_dict()}
+
+    return load, save
+
+
 def _ddp(model: Any, s: dict[str, Any], pg: Any) -> Built:
     """torchft's DDP, Manager and Optimizer (its train_ddp.py), healing over the process group."""
     from torchft import Optimizer
 
     inner = _optimizer(model.parameters(), s["cfg"])
     built = Built(model, None, inner)
-
-    def load(state: dict[str, Any]) -> None:
-        _healed(built.received, state, lambda: built.manager)
-        model.load_state_dict(state["model"])
-        inner.load_state_dict(state["optim"])
-
-    def save() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optim": inner.state_dict()}
-
-    built.manager = _manager(pg, s["group"], (load, save), _pg_transport(pg))
+    built.manager = _manager(pg, s["group"], _whole_state(built, model, inner, "optim"), _pg_transport(pg))
     built.model = _fixed_ddp()(built.manager, model)
     built.optimizer = Optimizer(built.manager, inner)
     return built
@@ -279,16 +285,8 @@ def _diloco(model: Any, s: dict[str, Any], pg: Any, args: argparse.Namespace) ->
     fragments = _fragments(model, args.fragments)
     outers = [torch.optim.SGD(f.parameters(), **outer_cfg) for f in fragments]
     built = Built(model, inner, inner)
-
-    def load(state: dict[str, Any]) -> None:
-        _healed(built.received, state, lambda: built.manager)
-        model.load_state_dict(state["model"])
-        inner.load_state_dict(state["inner_optim"])
-
-    def save() -> dict[str, Any]:
-        return {"model": model.state_dict(), "inner_optim": inner.state_dict()}
-
-    built.manager = _manager(pg, s["group"], (load, save), _pg_transport(pg), use_async_quorum=False)
+    built.manager = _manager(pg, s["group"], _whole_state(built, model, inner, "inner_optim"), _pg_transport(pg),
+                             use_async_quorum=False)
     built.diloco = DiLoCo(built.manager, fragments, inner, outers, sync_every=cfg.comm.sync_every,
                           backup_device=torch.device("cpu"), pin_memory=False,
                           fragment_sync_delay=args.fragment_sync_delay)
