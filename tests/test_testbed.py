@@ -271,8 +271,8 @@ def test_a_link_schedule_reshapes_the_links_between_steps_and_comm_adaptive_foll
     step_s = {e.step: e.value for e in events.Scalars("train/step_time_s")}
     transfer = 846 * 1024 * 8 / 20e6
     slow = min(step_s[5], step_s[6])  # before the job can have reacted
-    fast = sorted(step_s[s] for s in (2, 3, 4))[1]
-    assert slow > 0.8 * transfer and slow - fast > 0.6 * transfer, step_s  # what the link adds, whatever the CPU
+    fast = min(step_s[s] for s in (2, 3, 4))  # a busy machine only adds to a step: the least is the step itself
+    assert slow > 0.8 * transfer and slow - fast > 0.5 * transfer, step_s  # what the link adds, whatever the CPU
     watched = {entry["step"]: entry for entry in metrics["link_watch"]}
     assert sorted(watched) == list(range(2, 29, 2))
     assert 14 < watched[6]["interval_mbit"] <= 21, watched  # tbf at 20 Mbit/s, as the counters time it
