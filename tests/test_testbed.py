@@ -247,7 +247,7 @@ def test_a_link_schedule_reshapes_the_links_between_steps_and_comm_adaptive_foll
     steps (846 KiB of gradients, batches large enough that compute, not the fast link, sets a step's pace):
     each change is logged once, in metrics.json and in TensorBoard; the steps before the job can react take at
     least what 20 Mbit/s allows the gradients; the slow phase's intervals measure 20 Mbit/s; the job moves to
-    DiLoCo within two intervals of the slow link and back to hierarchical inside the fast phase, exactly those
+    DiLoCo within three intervals of the slow link and back to hierarchical inside the fast phase, exactly those
     two switches, with every rank's model identical at the end; nothing is left."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -277,11 +277,13 @@ def test_a_link_schedule_reshapes_the_links_between_steps_and_comm_adaptive_foll
     assert sorted(watched) == list(range(2, 29, 2))
     assert 14 < watched[6]["interval_mbit"] <= 21, watched  # tbf at 20 Mbit/s, as the counters time it
     # Into DiLoCo at the slow phase's first interval where the fast one read slow too (a busy machine's gloo),
-    # else at its second (the first held back until another agrees); back inside the fast phase: at its second
+    # else at its second (the first held back until another agrees), or its third where a busy machine's fast
+    # phase read the link within 3x of 20 Mbit/s (no jump to hold: the median moves one sample at a time); back
+    # inside the fast phase: at its second
     # interval on a quiet machine, later where a loaded one's probes read the fast link within 3x of the slow.
     switches = [(s["step"], s["from"].split()[0], s["to"].split()[0]) for s in metrics["switches"]]
     assert len(switches) == 2 and switches[0][1:] == ("hierarchical", "diloco"), switches
-    assert switches[0][0] in (6, 8) and switches[1][1:] == ("diloco", "hierarchical") and 16 <= switches[1][0] <= 26
+    assert switches[0][0] in (6, 8, 10) and switches[1][1:] == ("diloco", "hierarchical") and 16 <= switches[1][0] <= 26
     # DiLoCo's probes: the slow link at its rate (timed after a meeting that spends tbf's burst, which a probe alone
     # read as 35-40 Mbit/s), then a fast one.
     assert 10 < watched[14]["interval_mbit"] <= 25 and watched[switches[1][0]]["interval_mbit"] > 60, watched
