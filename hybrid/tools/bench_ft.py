@@ -211,8 +211,8 @@ def _hybrid_command(spec: RunSpec, opts: FtBenchOptions, steps: int, mbit: float
     return [sys.executable, "-m", "hybrid.train", *TASK, f"cluster.nnodes={nodes}",
             f"cluster.nproc_per_node={workers}", "cluster.testbed.enabled=true",
             f"cluster.testbed.link_mbit={mbit}", *elastic, "trainer.checkpoint_every=0", "trainer.log_every=1",
-            f"trainer.max_steps={steps}", f"comm.sync_every={opts.sync_every}" if "comm=diloco" in spec.hybrid else
-            "comm.timeout_s=60", "hydra.run.dir=run", *spec.hybrid, *opts.overrides]
+            f"trainer.max_steps={steps}", "comm.timeout_s=60", "hydra.run.dir=run", *spec.hybrid,
+            *([f"comm.sync_every={opts.sync_every}"] if "comm=diloco" in spec.hybrid else []), *opts.overrides]
 
 
 def _agents(pid: int) -> dict[str, int]:
@@ -326,11 +326,8 @@ def _start_group(job: Job, bed: Any, spec: RunSpec, node: int, opts: FtBenchOpti
 
 
 def _quorums(text: str) -> int:
-    """Quorums the lighthouse formed (its log says 'Quorum!' for each, or names each quorum_id)."""
-    found = len(re.findall(r"^\[lighthouse\] .*Quorum!", text, re.MULTILINE))
-    if found:
-        return found
-    return len(set(re.findall(r"^\[lighthouse\] .*quorum_id[=: ]+(\d+)", text, re.MULTILINE)))
+    """Quorums the lighthouse formed (torchft 0.2.0's lighthouse logs 'Quorum!' for each)."""
+    return len(re.findall(r"^\[lighthouse\] .*Quorum!", text, re.MULTILINE))
 
 
 def _kill_group(job: Job, groups: list[subprocess.Popen], opts: FtBenchOptions, deadline: float) -> dict[str, Any]:

@@ -279,11 +279,13 @@ def _diloco(model: Any, s: dict[str, Any], pg: Any, args: argparse.Namespace) ->
     import torch
     from torchft.local_sgd import DiLoCo
 
+    from hybrid.app.config import outer_optimizer
+
     cfg = s["cfg"]
     inner = _optimizer(model.parameters(), cfg)
-    outer_cfg = {k: v for k, v in cfg.comm.outer_optim.items() if not k.startswith("_")}
+    build_outer = outer_optimizer(cfg.comm).build()  # whatever class comm.outer_optim names, as hybrid builds it
     fragments = _fragments(model, args.fragments)
-    outers = [torch.optim.SGD(f.parameters(), **outer_cfg) for f in fragments]
+    outers = [build_outer(list(f.parameters())) for f in fragments]
     built = Built(model, inner, inner)
     built.manager = _manager(pg, s["group"], _whole_state(built, model, inner, "inner_optim"), _pg_transport(pg),
                              use_async_quorum=False)

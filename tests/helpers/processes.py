@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from hybrid.tools.job_processes import name as _name
+from hybrid.tools.job_processes import under as descendants
+
 __all__ = ["SESSION_ENV", "SESSION_VAR", "Job", "job_env", "agent_of_node", "agents", "all_gone", "descendants", "hybrid_processes", "left_after",
            "processes_with_marker", "running", "workers"]
 
@@ -50,27 +53,6 @@ def left_after(pids_now: Callable[[], list[int]], within_s: float) -> list[int]:
     return left
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            tree.setdefault(int(fields[1]), []).append(int(entry))
-    return tree
-
-
-def descendants(pid: int) -> list[int]:
-    tree, out, todo = _children(), [], [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def all_gone(pids: list[int], within_s: float = 10.0) -> bool:
     """Whether every process in ``pids`` has exited, allowing ``within_s`` for ones already killed to go."""
     return left_after(lambda: [p for p in pids if running(p)], within_s) == []
@@ -96,13 +78,6 @@ def _parent(pid: int) -> int | None:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except OSError:
         return None
-
-
-def _name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 def agents(root: int) -> list[int]:
