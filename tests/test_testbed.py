@@ -24,6 +24,7 @@ from hybrid.runtime.testbed import LinkShape, Testbed, cleanup_leftovers, nic_ad
 from hybrid.tools import testbed_cli
 
 from helpers import as_user, testbed_targets
+from helpers.elastic_scenarios import a_node_killed_in_place
 
 REASON = testbed_available()
 needs_testbed = pytest.mark.skipif(REASON is not None, reason=f"testbed unavailable: {REASON}")
@@ -465,6 +466,38 @@ def test_in_place_a_node_whose_link_goes_down_is_left_out_within_the_timeout(tmp
 STRAGGLER_RUN = ["cluster.testbed.enabled=true", "cluster.testbed.link_mbit=1000", "comm=hierarchical",
                  "model.width=512", "model.depth=4", "data.batch_size=64", "data.num_samples=4096",
                  "trainer.max_steps=24", "trainer.log_every=8", "trainer.straggler_steps=5"]
+
+
+# In place in the modes that keep state beside the weights (DiLoCo's outer state, ZeRO's shards, adaptive's mode):
+# the survivors keep their own and nothing moves among them; a node that comes back gets each part from a live peer.
+# On the testbed, each node at a quarter of a CPU (cluster.testbed.cpu_quota): a step takes longer and costs the
+# machine less, and the returning node's agent (its start unthrottled) joins within fewer of them. Enough steps for
+# it to join before the end with two CPU burners beside the job (by step 33 of ZeRO's 60 and 22 of FSDP2's 40).
+@pytest.mark.testbed
+@needs_testbed
+@pytest.mark.parametrize("comm, extra, lost, steps", [
+    ("sharded", ("comm.shard_optimizer=true",), 2, 60),  # ZeRO inside the node: the optimizer's shards
+    ("hsdp", (), 0, 40),  # torch FSDP2: the parameters' shards too, and node 0 (rank 0's) lost and back
+], ids=["zero", "hsdp"])
+@pytest.mark.background  # mostly waits (the lost node's heartbeat, its agent's start again): beside the first tiers
+def test_in_place_sharded_state_loses_no_shard_and_a_returning_node_gets_them_from_its_local_ranks(comm, extra, lost,
+                                                                                                   steps, tmp_path):
+    """3x2, AdamW, node ``lost`` SIGKILLed after step 12: the survivors go on with their own shards (every node holds
+    every shard: ZeRO's of the optimizer; HSDP's of the parameters and their optimizer state, the mesh and
+    fully_shard built again over the survivors), and the node's agent started again joins in place: its worker of
+    local rank j receives shard j from the worker of local rank j on a live node, and the run ends on 3 nodes with
+    identical replicas (per shard, under HSDP)."""
+    out = a_node_killed_in_place(2, comm, lost, tmp_path, extra=(*extra, "optim=adamw"), after=12, steps=steps,
+                                 back=True, cpus=0.25)
+    joined = re.findall(r"^in place: state as of step \d+ .*", out, re.MULTILINE)[-1]
+    received = {int(rank): what for rank, what in re.findall(r"rank (\d) <- ([^;]+)", joined)}
+    # Only the returning node's two workers received anything (a node's ranks are consecutive).
+    assert len(received) == 2 and min(received) % 2 == 0 and max(received) == min(received) + 1, joined
+    sharded = ("optimizer",) if comm == "sharded" else ("model", "optimizer")
+    for rank, what in received.items():
+        for part in sharded:  # shard j from local rank j of a live node, never the returning node's other worker
+            sender = re.search(rf"{part} [\d.]+ [KMG]iB from rank (\d)", what)
+            assert sender and int(sender.group(1)) % 2 == rank % 2 and int(sender.group(1)) not in received, joined
 
 
 @pytest.mark.testbed

@@ -57,13 +57,15 @@ def a_node_killed_restart(nproc: int, comm: str, lost: int, tmp_path: Path, stor
 
 def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, store: tuple[str, ...] = (),
                            mid_run: Callable[[list[int]], None] | None = None, extra: tuple[str, ...] = (),
-                           after: int = 11, steps: int = 20, back: bool = False) -> str:
+                           after: int = 11, steps: int = 20, back: bool = False, cpus: float | None = None) -> str:
     """3 nodes, cluster.min_nnodes=2, cluster.recovery=in_place: node ``lost``'s agent and workers are SIGKILLed
     after step ``after``. The other nodes' workers are the same processes before and after, continue from the last
     step one of them completed, finish with identical replicas, and leave no process behind. ``mid_run(pids)`` runs
     after step 5, given every process of the job (tests/test_etcd.py kills an etcd member there). ``extra``: the
     comm's own overrides. ``back``: the lost node's agent is started again once the others train on, and joins in
-    place (its state from live peers, over the new group). Returns the job's output."""
+    place (its state from live peers, over the new group). ``cpus``: each node on the testbed with that many CPUs
+    (a cgroup's quota): its steps take longer while costing the machine less, so the returning node's agent, whose
+    start is not throttled, joins within fewer steps. Returns the job's output."""
     import json
     import os
     import signal
@@ -73,6 +75,7 @@ def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, sto
 
     job = Job(tmp_path, "cluster.nnodes=3", f"cluster.nproc_per_node={nproc}", "cluster.min_nnodes=2",
               "cluster.recovery=in_place", f"comm={comm}", "comm.timeout_s=60", *store, *extra,
+              *(["cluster.testbed.enabled=true", f"cluster.testbed.cpu_quota={cpus}"] if cpus else []),
               f"trainer.max_steps={steps}", "trainer.checkpoint_every=5", "trainer.log_every=1", "trainer.elastic_lr=scale",
               "model.width=512", "data.num_samples=2048", f"data.root={tmp_path / 'data'}", "hydra.run.dir=run")
     job.wait_for(r"^step 1/", timeout=180)
@@ -97,7 +100,7 @@ def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, sto
     print(f"node {lost} killed -> next step on 2 nodes, in place: {time.monotonic() - start:.2f} s")
     after_kill = workers(job.proc.pid)
     assert after_kill == sorted(set(before) - set(killed)), describe_processes(before, killed, after_kill)
-    again = _start_agent_again(job_dir, lost) if back else None
+    again = _start_agent_again(job_dir, lost, testbed_of=job.proc.pid if cpus else None) if back else None
     try:
         if again is not None:
             job.wait_for(r"^resumed from step \d+ of the survivors' memory", timeout=120)
@@ -141,12 +144,15 @@ def _job_dir_of(agent: int) -> Path:
                 if Path(p).read_text() == str(agent))
 
 
-def _start_agent_again(job_dir: Path, node: int) -> subprocess.Popen:
-    """Node ``node``'s agent started again, as the launcher started it (``python -m hybrid.runtime.agent``)."""
+def _start_agent_again(job_dir: Path, node: int, testbed_of: int | None = None) -> subprocess.Popen:
+    """Node ``node``'s agent started again, as the launcher started it (``python -m hybrid.runtime.agent``);
+    ``testbed_of``: the pid of the job whose testbed holds the node (the agent then runs in its namespace)."""
     from hybrid.runtime.launch import local_agent_env
 
-    return subprocess.Popen([sys.executable, "-m", "hybrid.runtime.agent", str(job_dir), str(node)],
-                            env=job_env(**local_agent_env(3), GLOO_SOCKET_IFNAME="lo"), start_new_session=True)
+    inside = ["ip", "netns", "exec", f"hybrid-{testbed_of}-n{node}"] if testbed_of is not None else []
+    return subprocess.Popen([*inside, sys.executable, "-m", "hybrid.runtime.agent", str(job_dir), str(node)],
+                            env=job_env(**local_agent_env(3), GLOO_SOCKET_IFNAME="nic0" if inside else "lo"),
+                            start_new_session=True)
 
 
 def a_lost_node_rejoins_in_place(tmp_path: Path, store: tuple[str, ...] = ()) -> None:
