@@ -204,13 +204,17 @@ def _mean_step_samples_per_s(step_times: list[float], samples_per_step: int) -> 
 # ---------------------------------------------------------------------------------------------------- hybrid
 
 
-def _hybrid_command(spec: RunSpec, opts: FtBenchOptions, steps: int, mbit: float) -> list[str]:
+def _hybrid_command(spec: RunSpec, opts: FtBenchOptions, scenario: str, steps: int, mbit: float) -> list[str]:
+    """``trainer.log_every=1`` only where a step's time is read off its line (kill, rejoin): every log step
+    gathers each rank's step accounts across the nodes, a meeting of all nodes that a user's default (every 10
+    steps) does not hold at each step, and that torchft's loop, printing its own line, does not hold at all."""
     nodes, workers = spec.shape
     elastic = ("cluster.min_nnodes=2", "cluster.max_restarts=2", "cluster.rdzv_last_call_s=5",
                "cluster.recovery=in_place") if spec.fault_tolerant else ()
     return [sys.executable, "-m", "hybrid.train", *TASK, f"cluster.nnodes={nodes}",
             f"cluster.nproc_per_node={workers}", "cluster.testbed.enabled=true",
-            f"cluster.testbed.link_mbit={mbit}", *elastic, "trainer.checkpoint_every=0", "trainer.log_every=1",
+            f"cluster.testbed.link_mbit={mbit}", *elastic, "trainer.checkpoint_every=0",
+            *(["trainer.log_every=1"] if scenario in ("kill", "rejoin") else []),
             f"trainer.max_steps={steps}", "comm.timeout_s=60", "hydra.run.dir=run", *spec.hybrid,
             *([f"comm.sync_every={opts.sync_every}"] if "comm=diloco" in spec.hybrid else []), *opts.overrides]
 
@@ -232,7 +236,7 @@ def run_hybrid(spec: RunSpec, opts: FtBenchOptions, scenario: str, where: Path) 
     job, row = Job(), {}
     deadline = time.monotonic() + opts.timeout_s
     try:
-        main = job.start(_hybrid_command(spec, opts, steps, mbit), cwd=where,
+        main = job.start(_hybrid_command(spec, opts, scenario, steps, mbit), cwd=where,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if scenario in ("kill", "rejoin"):
             job.until(rf"^step {opts.kill_after}/", deadline)
