@@ -275,9 +275,9 @@ def run_hybrid(spec: RunSpec, opts: FtBenchOptions, scenario: str, where: Path) 
 
 
 def _bytes_in(received: str) -> int | None:
-    """The bytes hybrid's 'in place: ...' line counts ("(N bytes)" at its end), or None."""
-    found = re.search(r"\((\d+) bytes\)", received)
-    return int(found.group(1)) if found else None
+    """The bytes hybrid's 'in place: ...' line counts, every receiving rank's ("(N bytes)" after each), or None."""
+    found = re.findall(r"\((\d+) bytes\)", received)
+    return sum(int(n) for n in found) if found else None
 
 
 def _steps_and_rate(scenario: str, opts: FtBenchOptions) -> tuple[int, float]:
