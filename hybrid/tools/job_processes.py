@@ -9,7 +9,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 __all__ = ["busy", "name", "start_again", "tree", "under"]
 
@@ -45,17 +45,19 @@ def name(pid: int) -> str:
         return ""
 
 
-def start_again(node: int, agent: int, world: int, testbed_of: int | None = None, **popen: object) -> subprocess.Popen:
+def start_again(node: int, agent: int, world: int, testbed_of: int | None = None,
+                base_env: Mapping[str, str] | None = None, **popen: object) -> subprocess.Popen:
     """Node ``node``'s agent, started again the way the launcher started it (its job folder found by the pid file
     each agent writes, holding the lost agent's pid ``agent``). ``testbed_of``: the pid of the job whose testbed
-    the node is in (as root: its agent runs in the node's namespace, on its NIC)."""
+    the node is in (as root: its agent runs in the node's namespace, on its NIC). ``base_env``: the environment
+    it starts from (default: this process's), the agent's own variables added."""
     from hybrid.runtime.launch import local_agent_env
 
     pid_file = next(p for p in Path(tempfile.gettempdir()).glob(f"hybrid-job-*/agent-{node}.pid")
                     if p.read_text() == str(agent))
     inside = ["ip", "netns", "exec", f"hybrid-{testbed_of}-n{node}"] if testbed_of is not None else []
     return subprocess.Popen([*inside, sys.executable, "-m", "hybrid.runtime.agent", str(pid_file.parent), str(node)],
-                            env={**os.environ, **local_agent_env(world),
+                            env={**(os.environ if base_env is None else base_env), **local_agent_env(world),
                                  "GLOO_SOCKET_IFNAME": "nic0" if testbed_of is not None else "lo"},
                             start_new_session=True, **popen)
 

@@ -5,11 +5,10 @@ overrides that choose the rendezvous backend."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Callable
+
+from hybrid.tools.job_processes import start_again
 
 from helpers.processes import Job, agent_of_node, all_gone, descendants, job_env
 
@@ -86,7 +85,6 @@ def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, sto
     assert len(forks_of(job.proc.pid)) == 1, describe_processes(everything)
     before = workers(job.proc.pid)
     agent = agent_of_node(job.proc.pid, lost)
-    job_dir = _job_dir_of(agent) if back else None
     killed = [agent, *descendants(agent)]
     if mid_run is not None:
         job.wait_for(r"^step 5/", timeout=180)
@@ -100,7 +98,8 @@ def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, sto
     print(f"node {lost} killed -> next step on 2 nodes, in place: {time.monotonic() - start:.2f} s")
     after_kill = workers(job.proc.pid)
     assert after_kill == sorted(set(before) - set(killed)), describe_processes(before, killed, after_kill)
-    again = _start_agent_again(job_dir, lost, testbed_of=job.proc.pid if cpus else None) if back else None
+    again = start_again(lost, agent, 3 * nproc, testbed_of=job.proc.pid if cpus else None, base_env=job_env()) if back \
+        else None
     try:
         if again is not None:
             job.wait_for(r"^resumed from step \d+ of the survivors' memory", timeout=120)
@@ -136,25 +135,6 @@ def a_node_killed_in_place(nproc: int, comm: str, lost: int, tmp_path: Path, sto
     return out
 
 
-def _job_dir_of(agent: int) -> Path:
-    """Where hybrid's launcher keeps the job of ``agent`` (its agent-NODE.pid files)."""
-    import glob
-
-    return next(Path(p).parent for p in glob.glob(f"{tempfile.gettempdir()}/hybrid-job-*/agent-*.pid")
-                if Path(p).read_text() == str(agent))
-
-
-def _start_agent_again(job_dir: Path, node: int, testbed_of: int | None = None) -> subprocess.Popen:
-    """Node ``node``'s agent started again, as the launcher started it (``python -m hybrid.runtime.agent``);
-    ``testbed_of``: the pid of the job whose testbed holds the node (the agent then runs in its namespace)."""
-    from hybrid.runtime.launch import local_agent_env
-
-    inside = ["ip", "netns", "exec", f"hybrid-{testbed_of}-n{node}"] if testbed_of is not None else []
-    return subprocess.Popen([*inside, sys.executable, "-m", "hybrid.runtime.agent", str(job_dir), str(node)],
-                            env=job_env(**local_agent_env(3), GLOO_SOCKET_IFNAME="nic0" if inside else "lo"),
-                            start_new_session=True)
-
-
 def a_lost_node_rejoins_in_place(tmp_path: Path, store: tuple[str, ...] = ()) -> None:
     """3x1 in place: node 0 SIGKILLed after step 11 and its agent started again 5 s later; the run ends on 3 nodes,
     the others' processes kept throughout, every replica (the returned one's too) the same bits."""
@@ -175,7 +155,6 @@ def a_lost_node_rejoins_in_place(tmp_path: Path, store: tuple[str, ...] = ()) ->
     job.wait_for(r"^step 11/", timeout=180)
     everything = [job.proc.pid, *descendants(job.proc.pid)]
     agent = agent_of_node(job.proc.pid, 0)
-    job_dir = _job_dir_of(agent)
     lost = [agent, *descendants(agent)]
     survivors = sorted(set(workers(job.proc.pid)) - set(lost))
     for pid in lost:
@@ -183,7 +162,7 @@ def a_lost_node_rejoins_in_place(tmp_path: Path, store: tuple[str, ...] = ()) ->
     killed = time.monotonic()
     job.wait_for(r"^resumed from step", timeout=120)
     time.sleep(max(0.0, 5 - (time.monotonic() - killed)))  # the issue's scenario: the node is back 5 s after
-    again = _start_agent_again(job_dir, 0)
+    again = start_again(0, agent, 3, base_env=job_env())
     try:
         job.wait_for(r"^resumed from step", timeout=120)
         kept = sorted(set(workers(job.proc.pid)) & set(survivors))
