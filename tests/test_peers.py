@@ -110,7 +110,7 @@ def test_the_bf16_hook_and_a_checkpoint_of_the_other_kind_are_refused_before_sta
     with pytest.raises(ValueError, match=r"comm.torch_hook=fp16 registers .* comm=hierarchical"):
         settings("2x2", ["comm=hierarchical", "comm.torch_hook=fp16"])
     with pytest.raises(ValueError, match=r"comm.torch_hook=powersgd on gloo: this model.s 51.3 KiB .* more than one"):
-        check_components(settings("2x2", ["comm=ddp", "comm.torch_hook=powersgd"]))  # 0.01 MiB buckets
+        check_components(settings("2x2", ["comm=ddp", "comm.torch_hook=powersgd"]))  # 0.02 MiB buckets
     check_components(settings("2x2", ["comm=ddp", "comm.torch_hook=powersgd", "comm.bucket_mb=25"]))  # one: fine
     root, _ = job("2x2")
     with pytest.raises(ValueError, match=r"written by comm=hsdp .* resume it with comm=hsdp"):

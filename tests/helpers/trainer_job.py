@@ -22,9 +22,9 @@ __all__ = ["COMMS", "EXAMPLE", "PLANS", "ROOT", "job", "model_state", "settings"
 ROOT = Path(tempfile.mkdtemp(prefix="hybrid-trainer-tests-"))
 
 
-BASE = ["comm.bucket_mb=0.01", "comm.timeout_s=120", "optim.lr=0.1", "optim.warmup_steps=5", "trainer.max_steps=20",
+BASE = ["comm.bucket_mb=0.02", "comm.timeout_s=120", "optim.lr=0.1", "optim.warmup_steps=5", "trainer.max_steps=20",
         "trainer.log_every=10"]
-# Unless a run picks another model and data: ~6 buckets of this MLP.
+# Unless a run picks another model and data: 3 buckets of this MLP (51.3 KiB).
 MLP_ON_SYNTHETIC = ["model.width=64", "model.depth=3", f"data.root={ROOT / 'data'}", "data.num_samples=2048",
                     "data.batch_size=16"]
 EXAMPLE = ROOT / "example"  # the package and configs of docs/your-model.md's worked example
