@@ -205,9 +205,10 @@ def _shape(value: Any) -> str:
 
 
 def check_resume(resume: object, run_dir: Path | None, model_config: dict | None = None,
-                 algorithm: str | None = None) -> None:
+                 algorithm: str | None = None, no_decay: bool | None = None) -> None:
     """The run to resume must exist, be a hybrid run, and hold the same model, written the way ``comm``
-    (``algorithm``) reads state, before any worker starts."""
+    (``algorithm``) reads state, with its optimizer's param groups made as ``optim.no_decay`` makes them here,
+    before any worker starts."""
     if resume_continues_this_run(resume) and run_dir is None:
         raise ValueError(
             "trainer.resume=true continues the run in hydra.run.dir: also give "
@@ -232,6 +233,11 @@ def check_resume(resume: object, run_dir: Path | None, model_config: dict | None
         diff = ", ".join(f"model.{k}={saved.get(k)!r} there, {v!r} here"
                          for k, v in model_config.items() if saved.get(k) != v)
         raise ValueError(f"trainer.resume={str(resume)!r} holds a different model: {diff}")
+    saved_no_decay = bool(manifest.get("optim_no_decay", False))  # before the key: one group
+    if no_decay is not None and manifest and saved_no_decay != no_decay:
+        raise ValueError(f"trainer.resume={str(resume)!r} was trained with optim.no_decay={str(saved_no_decay).lower()}"
+                         f" ({'two param groups' if saved_no_decay else 'one param group'}), and its optimizer state "
+                         f"is kept per group: resume it with optim.no_decay={str(saved_no_decay).lower()}")
 
 
 def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -340,7 +346,7 @@ def precheck(argv: list[str], conf_dir: Path | None = None,
         if before_prepare is not None:  # before check_resume too: it may load a checkpoint's tensors
             before_prepare(settings)
         check_resume(settings.trainer.resume, Path(run_dir) if run_dir else None, settings.model.node,
-                     settings.comm.algorithm)
+                     settings.comm.algorithm, settings.optim.no_decay)
         prepare(settings)
     except (HydraException, OmegaConfBaseException) as exc:
         return one_line_error(exc, conf_dir, user_dirs)

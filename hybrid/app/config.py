@@ -420,6 +420,9 @@ class OptimConfig:
     warmup_steps: int = 10
     schedule: str = "cosine"  # cosine | constant (after the warm-up)
     min_lr_ratio: float = 0.1
+    # Two parameter groups, as nanoGPT makes them: tensors of 2+ dimensions (matmul weights, embeddings) with the
+    # optimizer's weight decay, the others (biases, norm weights) without (hybrid.app.components.optim).
+    no_decay: bool = False
 
     @property
     def lr(self) -> Any:
@@ -428,7 +431,7 @@ class OptimConfig:
 
 # hybrid's own keys of each component node, with their defaults; the rest of a node is its target's arguments.
 DATA_KEYS = {"batch_size": 32, "num_workers": 0}
-OPTIM_KEYS = {"warmup_steps": 10, "schedule": "cosine", "min_lr_ratio": 0.1}
+OPTIM_KEYS = {"warmup_steps": 10, "schedule": "cosine", "min_lr_ratio": 0.1, "no_decay": False}
 
 
 @dataclass

@@ -29,7 +29,6 @@ from hybrid.app.state.checkpoint import save_checkpoint
 from hybrid.app.state.in_memory import Progress, checkpoint_meta
 from hybrid.app.state.membership import RunLayout
 from hybrid.app.state.preemption import Preempted, SignalStop, mark_stopped
-from hybrid.app.targets import Component
 from hybrid.core.adaptive import Mode
 from hybrid.core.comm import Communicator, PhaseCounters
 from hybrid.core.node_sharded_optimizer import NodeShardedOptimizer, optimizer_state_bytes
@@ -81,12 +80,11 @@ def train_step(replicas: Replicas, optimizer: torch.optim.Optimizer, scheduler: 
 class Checkpointer:
     """Writes the run's checkpoints (rank 0), with every rank's error-feedback residuals gathered to it."""
 
-    def __init__(self, run_path: Path, trainer: TrainerConfig, model_config: Component, layout: RunLayout,
-                 membership: list[dict[str, Any]], rank: int, feedback: error_feedback.ErrorFeedback | None,
-                 state: StateAccess) -> None:
-        self.directory, self.keep = run_path / "checkpoints", trainer.keep_checkpoints
-        self.meta = checkpoint_meta(model_config.node, layout.world_size, layout.nnodes, layout.global_batch,
-                                    state.kind)
+    def __init__(self, run_path: Path, cfg: TrainConfig, layout: RunLayout, membership: list[dict[str, Any]],
+                 rank: int, feedback: error_feedback.ErrorFeedback | None, state: StateAccess) -> None:
+        self.directory, self.keep = run_path / "checkpoints", cfg.trainer.keep_checkpoints
+        self.meta = checkpoint_meta(cfg.model.node, layout.world_size, layout.nnodes, layout.global_batch, state.kind,
+                                    cfg.optim.no_decay)
         self.membership, self.rank, self.feedback, self.state = membership, rank, feedback, state
 
     def save(self, step: int, replicas: Replicas, optimizer: Any, scheduler: Any, stream: BatchStream) -> None:
@@ -179,7 +177,7 @@ def train_and_report(cfg: TrainConfig, run: Training, replicas: Replicas, topolo
         current = Mode(cfg.comm.algorithm, "none" if cfg.comm.inter_compression == "none" else "bf16")
         processor.link_watch = LinkWatch(cfg.comm.adapt_every, topology.layout, param_bytes(replicas.module),
                                          current, metrics, cfg.cluster.testbed.nics_in_use, slack=cfg.comm.adapt_slack)
-    checkpointer = Checkpointer(run_path, cfg.trainer, cfg.model, run.layout, run.membership, rank, feedback, run.state)
+    checkpointer = Checkpointer(run_path, cfg, run.layout, run.membership, rank, feedback, run.state)
     try:
         last = train_loop(cfg.trainer, replicas, run.optimizer, run.scheduler, run.streams[0], processor, checkpointer,
                           run.start_step, cfg.comm.grad_as_bucket_view, device, run.progress,

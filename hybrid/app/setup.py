@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, default_collate
 from hybrid.app.components.data import BatchStream
 from hybrid.app.components.losses import LossFn, move_to
 from hybrid.app.components.models import param_bytes
-from hybrid.app.components.optim import build_optimizer, build_scheduler
+from hybrid.app.components.optim import build_optimizer, build_scheduler, parameter_groups
 from hybrid.app.config import COMM_ALGORITHMS, CommConfig, DataConfig, OptimConfig, TrainConfig, TrainerConfig, resume_target
 from hybrid.app.observability.metrics import Metrics
 from hybrid.app.observability.run_log import describe_run
@@ -105,7 +105,7 @@ def build_training(model_cfg: Component, optim: OptimConfig, trainer: TrainerCon
     ``shard_optimizer``: how the optimizer is sharded (:func:`hybrid.app.components.optim.build_optimizer`)."""
     torch.manual_seed(trainer.seed)  # same initial weights on every rank
     model = (state or PlainState()).prepare(build_model(model_cfg, device))
-    optimizer = build_optimizer(model.parameters(), optim, shard=shard_optimizer)
+    optimizer = build_optimizer(parameter_groups(model, optim.no_decay), optim, shard=shard_optimizer)
     scheduler = build_scheduler(optimizer, optim, trainer.max_steps)
     return model, optimizer, scheduler
 

@@ -84,8 +84,17 @@ ZERO_PLANS = [
     ("zero-hierarchical", ["comm=hierarchical", "comm.shard_optimizer=true"]),
     ("zero+fp16", [*ZERO, "comm.inter_compression=fp16"]),
 ]
+# optim.no_decay (biases and norm weights without weight decay): AdamW in every comm against comm=ddp's, ZeRO's
+# stopped at 13 and resumed; SGD's exact DiLoCo case (H=1) against DDP's with that SGD and weight decay.
+NO_DECAY = [*ADAMW, "optim.no_decay=true"]
+SGD_DECAY = [*PLAIN_SGD, "optim.weight_decay=0.1", "optim.no_decay=true"]
+NO_DECAY_PLANS = [(f"{name}-nodecay", [*comm, *NO_DECAY]) for name, comm in (
+    ("ddp", ["comm=ddp"]), ("hierarchical", ["comm=hierarchical"]), ("zero", ZERO), ("hsdp", ["comm=hsdp"]),
+    ("ddp-zero-redundancy", ["comm=ddp", "comm.shard_optimizer=true"]))] + [
+    ("zero-nodecay-13", [*ZERO, *NO_DECAY, *extra]) for extra in (["trainer.stop_after=13"], ["trainer.resume=true"])
+] + [("ddp-sgd-nodecay", ["comm=ddp", *SGD_DECAY]), ("diloco-exact-nodecay", [*DILOCO_EXACT, *SGD_DECAY])]
 PLANS = {
-    "2x2": [(c, [f"comm={c}"]) for c in COMMS] + ZERO_PLANS + [
+    "2x2": [(c, [f"comm={c}"]) for c in COMMS] + ZERO_PLANS + NO_DECAY_PLANS + [
         ("ddp-plain-sgd", ["comm=ddp", *PLAIN_SGD]),
         ("diloco-exact", DILOCO_EXACT),
         ("diloco-exact-sharded", [*DILOCO_EXACT, "comm.inter=sharded"]),

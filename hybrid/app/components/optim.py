@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -14,15 +14,31 @@ from hybrid.app.targets import Component, ComponentError
 from hybrid.core.node_sharded_optimizer import NodeShardedOptimizer
 from hybrid.core.optimizer_shards import check_elementwise
 
-__all__ = ["SHARDINGS", "build_optimizer", "build_scheduler", "check_optimizer", "lr_factor"]
+__all__ = ["SHARDINGS", "build_optimizer", "build_scheduler", "check_optimizer", "lr_factor", "parameter_groups"]
 
 
 SHARDINGS = ("none", "node", "job")
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, shard: str = "none",
+def parameter_groups(model: torch.nn.Module, no_decay: bool) -> list[Any]:
+    """What the optimizer is built over: the model's parameters, or with ``optim.no_decay`` two param groups as
+    nanoGPT splits them. Tensors of two or more dimensions (matmul and convolution weights, embeddings) keep the
+    optimizer's ``weight_decay``; the others (biases, LayerNorm/BatchNorm/RMSNorm weights) get none, since
+    decaying a bias or a norm's scale towards 0 only fights the normalisation. Model order within each group, an
+    empty group left out; frozen parameters stay in, as in the one-group case, so both cases hold the same
+    parameters in the same order per group."""
+    params = list(model.parameters())
+    if not no_decay:
+        return params
+    groups = [{"params": [p for p in params if p.dim() >= 2]},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(params: Iterable[Any], cfg: OptimConfig, shard: str = "none",
                     ) -> torch.optim.Optimizer:
-    """``optim._target_`` (a ``_partial_`` optimizer class) called with the parameters; ``shard``
+    """``optim._target_`` (a ``_partial_`` optimizer class) called with the parameters (or param groups:
+    :func:`parameter_groups`); ``shard``
     (``comm.shard_optimizer``): ``node``: wrapped so that each worker of a node steps its shard only (attached to
     the DDP model once that exists: :class:`~hybrid.core.node_sharded_optimizer.NodeShardedOptimizer`); ``job``:
     torch's ``ZeroRedundancyOptimizer`` over every rank of the default group (comm=ddp's reference)."""

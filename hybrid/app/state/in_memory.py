@@ -37,10 +37,11 @@ class Progress:
 
 
 def checkpoint_meta(model_config: dict[str, Any], world_size: int, nnodes: int, global_batch: int,
-                    state_kind: str) -> dict[str, Any]:
-    """What a checkpoint says besides the state itself: the model it holds and the layout that wrote it."""
+                    state_kind: str, no_decay: bool = False) -> dict[str, Any]:
+    """What a checkpoint says besides the state itself: the model it holds, the layout that wrote it, and how its
+    optimizer's param groups are made (``optim.no_decay``: a resume must make them the same way)."""
     return {"model_config": model_config, "world_size": world_size, "nnodes": nnodes, "global_batch": global_batch,
-            "state_dict_kind": state_kind}
+            "state_dict_kind": state_kind, "optim_no_decay": no_decay}
 
 
 # The entry of a state continued in place that holds DiLoCo's outer state: {"shared": ..., "node": ...} (this rank's

@@ -278,7 +278,7 @@ class InPlace:
             "run": {"scheduler": run.scheduler.state_dict(), "step": step, "data": data, "rng": torch.get_rng_state(),
                     "membership": list(run.membership), **held,
                     **checkpoint_meta(self.cfg.model.node, layout.world_size, layout.nnodes, layout.global_batch,
-                                      access.kind)},
+                                      access.kind, self.cfg.optim.no_decay)},
             "model": run.model.state_dict()}
         versions = {"run": version, "model": version, "optimizer": version}
         optimizer = run.optimizer
