@@ -27,17 +27,21 @@ def _groups(topology):
                       cross=object() if "cross" in kinds else None, kinds=kinds)
 
 
-@pytest.mark.parametrize(("nodes", "expected"), [
-    (((0, 1, 2, 3),), ("flat",)),                      # one node: no slow link to spare
-    (((0,), (1,), (2,)), ("flat",)),                   # one worker per node: every algorithm is the same ring
-    (((0, 1), (2, 3)), ("flat", "hierarchical", "sharded")),
-    (((0, 1, 2), (3,)), ("flat", "hierarchical")),     # uneven nodes: sharded's shards would not line up
+@pytest.mark.parametrize(("nodes", "expected", "for_zero"), [
+    (((0, 1, 2, 3),), ("flat",), ("hierarchical",)),   # one node: no slow link to spare
+    (((0,), (1,), (2,)), ("flat",), ("hierarchical",)),  # one worker per node: every algorithm is the same ring
+    (((0, 1), (2, 3)), ("flat", "hierarchical", "sharded"), ("hierarchical", "sharded")),
+    (((0, 1, 2), (3,)), ("flat", "hierarchical"), ("hierarchical",)),  # uneven: sharded's shards would not line up
 ])
-def test_candidates_follow_the_layout_and_so_do_the_groups(nodes, expected):
+def test_candidates_follow_the_layout_and_so_do_the_groups(nodes, expected, for_zero):
+    """And for a node-sharded optimizer (comm.shard_optimizer) only the algorithms with an intra-node phase,
+    which gathers its updated parameters: never flat."""
     topo = Topology(0, nodes)
-    assert auto_candidates(topo) == expected
+    assert auto_candidates(topo) == expected and auto_candidates(topo, shards_optimizer=True) == for_zero
     kinds = {"flat": {"world"}, "hierarchical": {"intra", "leaders"}, "sharded": {"intra", "cross"}}
     assert set(group_kinds_for("auto", topo)) == set().union(*(kinds[a] for a in expected))
+    calibrates = {"world"} if len(for_zero) > 1 else set()  # measure_levels times flat's level too
+    assert set(group_kinds_for("auto", topo, shards_optimizer=True)) == calibrates.union(*(kinds[a] for a in for_zero))
 
 
 def test_pipelining_hides_the_cheaper_phases_behind_the_slowest():

@@ -71,6 +71,19 @@ def test_with_sgd_it_steps_exactly_as_its_comm_does_unsharded():
     assert results["zero+fp16"]["bytes"]["inter_allreduce"] < 0.6 * results["zero-sgd"]["bytes"]["inter_allreduce"]
 
 
+def test_comm_auto_shards_the_optimizer_choosing_only_among_the_comms_that_gather_the_weights():
+    """comm=auto with comm.shard_optimizer (2x2, SGD): its calibrated choice per bucket is hierarchical or sharded,
+    never flat (no intra-node phase to gather the updated weights over), and it ends where ZeRO under
+    comm=hierarchical does, within assert_close, with identical replicas."""
+    root, results = job("2x2")
+    auto = results["zero-auto"]
+    assert auto["param_checksums_identical"] and auto["shard_optimizer"]
+    report = auto["comm_auto"]
+    assert report["candidates"] == ["hierarchical", "sharded"], report
+    assert report["decisions"] and {d["chosen"] for d in report["decisions"]} <= {"hierarchical", "sharded"}
+    _close_models(checkpoint(root / "zero-auto")["model"], checkpoint(root / "zero-hierarchical")["model"])
+
+
 def test_stopped_at_step_13_and_resumed_it_ends_on_the_straight_runs_bits():
     root, results = job("2x2")
     straight, resumed = checkpoint(root / "zero-adamw"), checkpoint(root / "zero-adamw-13")

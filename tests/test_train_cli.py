@@ -218,7 +218,6 @@ BAD = [
      "comm.overlap_steps=9 must be in 1..8 (comm.sync_every / comm.fragments"),
     (["comm=flat", "comm.shard_optimizer=true"], "comm.shard_optimizer=true is not available with comm=flat, which has "
                                                   "no intra-node phase"),
-    (["comm=auto", "comm.shard_optimizer=true"], "is not available with comm=auto, which may choose flat"),
     (["comm=hsdp", "comm.shard_optimizer=true"], "with comm=hsdp, which shards the optimizer already"),
     (["comm=diloco", "comm.shard_optimizer=true"], "with comm=diloco, which steps its inner optimizer under torch's"),
     (["comm=sharded", "comm.shard_optimizer=yes_please"], "comm.shard_optimizer: Value 'yes_please' is not a valid bool"),

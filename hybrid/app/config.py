@@ -182,9 +182,10 @@ REFERENCE_COMMS = ("ddp", "hsdp")
 # "diloco" is hierarchical in time: gradients averaged inside each node every step, nodes meet every
 # comm.sync_every steps (hybrid.core.diloco, hybrid.app.replicas.diloco).
 DILOCO = "diloco"
-# The comms comm.shard_optimizer works with: inside each node (sharded, hierarchical), or, comm=ddp, torch's own
-# ZeroRedundancyOptimizer over every rank of the job (the reference: its parameter exchange crosses nodes).
-SHARDS_OPTIMIZER = ("sharded", "hierarchical", "ddp")
+# The comms comm.shard_optimizer works with: inside each node (sharded, hierarchical; auto among those two), or,
+# comm=ddp, torch's own ZeroRedundancyOptimizer over every rank of the job (the reference: its parameter exchange
+# crosses nodes).
+SHARDS_OPTIMIZER = ("sharded", "hierarchical", "auto", "ddp")
 # "adaptive" moves between every-step hierarchical or sharded and DiLoCo as the measured inter-node link changes
 # (hybrid.app.replicas.adaptive, docs/adaptive.md).
 ADAPTIVE = "adaptive"
@@ -320,7 +321,6 @@ class CommConfig:
     def _check_shard_optimizer(self) -> None:
         if self.algorithm not in SHARDS_OPTIMIZER:
             why = {"flat": "has no intra-node phase to gather the updated parameters over",
-                   "auto": "may choose flat, which has no intra-node phase to gather parameters over",
                    "hsdp": "shards the optimizer already, with the parameters (FSDP2)",
                    DILOCO: "steps its inner optimizer under torch's own DDP inside the node",
                    ADAPTIVE: "moves into DiLoCo, which steps its inner optimizer under torch's own DDP inside the "

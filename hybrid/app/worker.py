@@ -217,9 +217,11 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
         try:
             if cfg.comm.algorithm != "ddp":
                 groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend,
-                                          cfg.comm.timeout_s, kinds=group_kinds_for(cfg.comm.algorithm, topology))
+                                          cfg.comm.timeout_s, kinds=group_kinds_for(cfg.comm.algorithm, topology,
+                                                                                    cfg.comm.shard_optimizer))
                 comm = make_communicator(cfg.comm.algorithm, groups, counters, cfg.comm.chunk_bytes,
-                                         cfg.comm.inter_compression, device=device)
+                                         cfg.comm.inter_compression, device=device,
+                                         shards_optimizer=cfg.comm.shard_optimizer)
                 if isinstance(comm, AutoCommunicator):
                     metrics.status(describe_auto_calibration(comm))
                 # comm.shard_optimizer: the optimizer's hook averages only this worker's shard of each bucket.

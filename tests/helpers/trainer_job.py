@@ -82,6 +82,7 @@ ZERO_PLANS = [
     ("ddp-zero-redundancy", ["comm=ddp", "comm.shard_optimizer=true", *ADAMW]),  # torch's ZeroRedundancyOptimizer
     ("zero-sgd", [*ZERO, "comm.pipeline_chunk_mb=0.002"]),
     ("zero-hierarchical", ["comm=hierarchical", "comm.shard_optimizer=true"]),
+    ("zero-auto", ["comm=auto", "comm.shard_optimizer=true"]),  # auto among hierarchical and sharded
     ("zero+fp16", [*ZERO, "comm.inter_compression=fp16"]),
 ]
 # optim.no_decay (biases and norm weights without weight decay): AdamW in every comm against comm=ddp's, ZeRO's

@@ -40,8 +40,10 @@ __all__ = ["MetricsProcessor", "describe_auto_calibration", "log_auto_decisions"
 
 def describe_auto_calibration(comm: AutoCommunicator) -> str:
     """One status line: what auto measured at start-up (or that it had nothing to choose from)."""
+    zero = (" (comm.shard_optimizer=true: only algorithms that gather the updated parameters inside the node; "
+            "flat has no intra-node phase)") if comm.shards_optimizer else ""
     if comm.model is None:
-        return f"comm=auto: only {comm.candidates[0]} applies to this layout; no calibration"
+        return f"comm=auto: only {comm.candidates[0]} applies to this layout{zero}; no calibration"
 
     def level(lv: Any) -> str:
         rate = "bandwidth unresolved" if lv.gbit_per_s is None else f"{lv.gbit_per_s:.3g} Gbit/s"
@@ -52,7 +54,7 @@ def describe_auto_calibration(comm: AutoCommunicator) -> str:
     nics = "" if comm.model.sharded_inter is not None else f"; {comm.model.nics_per_node} NIC(s) per node for sharded"
     links = "" if comm.links is None else "\n" + "\n".join(comm.links.table())
     return (f"comm=auto calibrated in {comm.calibration_s:.2f} s: {levels}{nics}; choosing among "
-            f"{', '.join(comm.candidates)} per bucket size{links}")
+            f"{', '.join(comm.candidates)} per bucket size{zero}{links}")
 
 
 def _bucket_kind(d: dict[str, Any]) -> str:

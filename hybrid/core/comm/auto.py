@@ -73,17 +73,25 @@ CALIBRATION_REPEATS = 5
 MODEL_LEVELS = ("intra", "inter", "flat", "sharded_intra", "sharded_inter")
 
 
-def auto_candidates(topology: Topology) -> tuple[str, ...]:
-    """The algorithms worth comparing on ``topology``, simplest first."""
+def auto_candidates(topology: Topology, shards_optimizer: bool = False) -> tuple[str, ...]:
+    """The algorithms worth comparing on ``topology``, simplest first. ``shards_optimizer``: for a node-sharded
+    optimizer (comm.shard_optimizer), which gathers the updated parameters inside the node, only those with an
+    intra-node phase: flat has none (hierarchical then stands alone where flat would)."""
     if topology.nnodes == 1 or max(topology.node_sizes) == 1:
-        return ("flat",)
-    return ("flat", "hierarchical", "sharded") if topology.is_uniform else ("flat", "hierarchical")
+        candidates: tuple[str, ...] = ("flat",)
+    else:
+        candidates = ("flat", "hierarchical", "sharded") if topology.is_uniform else ("flat", "hierarchical")
+    if shards_optimizer:
+        candidates = tuple(c for c in candidates if c != "flat") or ("hierarchical",)
+    return candidates
 
 
-def auto_group_kinds(topology: Topology) -> tuple[str, ...]:
-    """The CommGroups kinds ``auto`` talks over on ``topology``: its candidates' together."""
-    kinds: list[str] = []
-    for name in auto_candidates(topology):
+def auto_group_kinds(topology: Topology, shards_optimizer: bool = False) -> tuple[str, ...]:
+    """The CommGroups kinds ``auto`` talks over on ``topology``: its candidates' together, and the world where
+    it calibrates (:func:`measure_levels` times every level, flat's too, whatever it may choose)."""
+    candidates = auto_candidates(topology, shards_optimizer)
+    kinds: list[str] = ["world"] if len(candidates) > 1 else []
+    for name in candidates:
         kinds += [k for k in ALGORITHM_CLASSES[name].group_kinds if k not in kinds]
     return tuple(kinds)
 
@@ -240,7 +248,9 @@ class AutoCommunicator(Communicator):
 
     Build it on every rank at once (the calibration is collective), over
     groups of :func:`auto_group_kinds`. ``model`` skips the calibration (e.g.
-    one fitted from ``hybrid.tools.bench`` runs; it must be the same on every rank).
+    one fitted from ``hybrid.tools.bench`` runs; it must be the same on every rank). ``shards_optimizer``:
+    it serves a node-sharded optimizer, so it chooses only among algorithms that can gather the updated
+    parameters inside the node (:func:`auto_candidates`), and leaves sharded's gradient all-gather out.
     """
 
     name = AUTO
@@ -249,14 +259,18 @@ class AutoCommunicator(Communicator):
 
     def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, inter_compression: str = "none",
-                 model: Model | None = None, device: torch.device | str = "cpu") -> None:
+                 model: Model | None = None, device: torch.device | str = "cpu", shards_optimizer: bool = False,
+                 ) -> None:
         super().__init__(groups, counters, chunk_bytes)
         topo = groups.topology
-        self.candidates = auto_candidates(topo)
-        missing = [k for k in auto_group_kinds(topo) if k not in groups.kinds]
+        self.shards_optimizer = shards_optimizer
+        self.candidates = auto_candidates(topo, shards_optimizer)
+        kinds = auto_group_kinds(topo, shards_optimizer)
+        missing = [k for k in kinds if k not in groups.kinds]
         if missing:
-            raise ValueError(f"auto talks over the groups {list(auto_group_kinds(topo))}, but {missing} were not "
+            raise ValueError(f"auto talks over the groups {list(kinds)}, but {missing} were not "
                              f"built: pass kinds=auto_group_kinds(topology) to CommGroups.build")
+        self.group_kinds = kinds  # this topology's (a node-sharded optimizer looks for "intra" in them)
         self.inter_compression = inter_compression
         # Every member counts into this communicator's counters, under its own phase names.
         self.members: dict[str, Communicator] = {
@@ -288,7 +302,7 @@ class AutoCommunicator(Communicator):
         if found is not None:
             return found
         if self.model is None:
-            decision = Decision(nbytes, str(dtype).replace("torch.", ""), "flat", {})
+            decision = Decision(nbytes, str(dtype).replace("torch.", ""), self.candidates[0], {})
         else:
             predicted = {name: self._predict(name, nbytes, dtype) for name in self.candidates}
             chosen = min(self.candidates, key=predicted.__getitem__)  # first of equals: the simpler one
@@ -314,7 +328,7 @@ class AutoCommunicator(Communicator):
         return self.members[self.decide(tensor.nbytes, tensor.dtype).chosen]
 
     def _sum_(self, flat: torch.Tensor, divisor: int | None, key: Hashable, gather: bool = True) -> None:
-        self.member_for(flat)._sum_(flat, divisor, key)
+        self.member_for(flat)._sum_(flat, divisor, key, gather)  # each member takes gather (flat sums it all)
 
     def starter_for(self, tensor: torch.Tensor) -> Callable[..., "torch.futures.Future[torch.Tensor]"] | None:
         return self.member_for(tensor).starter_for(tensor)

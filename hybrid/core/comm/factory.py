@@ -25,22 +25,25 @@ def _resolve(algorithm: str, topology: Topology) -> str:
     return "hierarchical" if algorithm == "sharded" and not topology.is_uniform else algorithm
 
 
-def group_kinds_for(algorithm: str, topology: Topology) -> tuple[str, ...]:
-    """The CommGroups kinds ``algorithm`` needs on ``topology`` (its fallback's, where it falls back)."""
+def group_kinds_for(algorithm: str, topology: Topology, shards_optimizer: bool = False) -> tuple[str, ...]:
+    """The CommGroups kinds ``algorithm`` needs on ``topology`` (its fallback's, where it falls back);
+    ``shards_optimizer``: as :func:`make_communicator`'s."""
     runs_as = _resolve(algorithm, topology)
     if runs_as == AUTO:
-        return auto_group_kinds(topology)
+        return auto_group_kinds(topology, shards_optimizer)
     return ALGORITHM_CLASSES[runs_as].group_kinds
 
 
 def make_communicator(
     algorithm: str, groups: CommGroups, counters: PhaseCounters | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES, inter_compression: str = "none",
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", shards_optimizer: bool = False,
 ) -> Communicator:
     """Build the named algorithm over ``groups``; ``inter_compression`` (none, bf16, fp16) applies to
     the inter-node phase of hierarchical and sharded (flat refuses it). ``auto`` calibrates its cost
-    model here, with tensors on ``device`` (collective: every rank builds it at the same point).
+    model here, with tensors on ``device`` (collective: every rank builds it at the same point), and, for a
+    node-sharded optimizer (``shards_optimizer``), chooses only among the algorithms that can gather its
+    updated parameters inside the node.
 
     ``sharded`` on nodes of unequal size falls back to ``hierarchical`` (its
     shards would not line up across nodes); the reason is logged and the
@@ -54,5 +57,6 @@ def make_communicator(
             list(topo.node_sizes),
         )
     if runs_as == AUTO:
-        return AutoCommunicator(groups, counters, chunk_bytes, inter_compression, device=device)
+        return AutoCommunicator(groups, counters, chunk_bytes, inter_compression, device=device,
+                                shards_optimizer=shards_optimizer)
     return ALGORITHM_CLASSES[runs_as](groups, counters, chunk_bytes, inter_compression)
