@@ -628,6 +628,27 @@ def test_adaptive_switches_where_its_plan_says_keeps_replicas_identical_and_resu
 
 
 @pytest.mark.multiprocess
+def test_adaptive_streams_its_diloco_mode_in_fp8_and_leaves_it_exactly_and_resumes_bitwise_inside_it():
+    """comm=adaptive with DiLoCo's streaming (2 fragments, overlap, fp8) in its DiLoCo mode, 2x2, in after step 4 and
+    out after 14 (an exchange in flight lands, every fragment that moved syncs): every step's replicas are checked
+    by the trainer, so the every-step steps after it would stop on any difference; the DiLoCo phase moves about a
+    quarter of the bytes the same phase moves unstreamed in fp32; stopped at 11, inside it, and resumed: the
+    straight run's bits."""
+    root, results = job("2x2")
+    streamed, plain = results["adaptive-streamed"], results["adaptive-unstreamed"]
+    for metrics in (streamed, plain):
+        assert metrics["param_checksums_identical"] and metrics["steps"] == 20
+        assert [(s["step"], s["to"]) for s in metrics["switches"]] == [(4, "diloco H=4"), (14, "hierarchical")]
+    every_step = 10 * results["hierarchical"]["bytes"]["inter_allreduce"] / 20  # steps 1-4 and 15-20
+    phase = {name: results[name]["bytes"]["inter_allreduce"] - every_step for name in ("adaptive-streamed",
+                                                                                      "adaptive-unstreamed")}
+    assert 0 < phase["adaptive-streamed"] < 0.3 * phase["adaptive-unstreamed"], phase  # fp8: 1 byte of 4, + scales
+    resumed, straight = model_state(root / "adaptive-streamed-11"), model_state(root / "adaptive-streamed")
+    assert results["adaptive-streamed-11"]["steps_run"] == 9
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+@pytest.mark.multiprocess
 def test_streaming_diloco_with_overlap_and_fp8_ends_identical_and_resumes_with_an_exchange_in_flight():
     """Two fragments, each exchange in the background of the next two inner steps, fp8 pseudo-gradients, sharded:
     every step's replicas checked (each node's workers identical), one model on every rank at the end, fp8's wire

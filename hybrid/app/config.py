@@ -360,10 +360,21 @@ class CommConfig:
                              "or 0: the interval the measured link carries")
         one_of("comm.inter", self.inter, ("auto", "hierarchical"), " (comm=adaptive's DiLoCo syncs through the "
                "node leaders, where it also probes the link)")
-        for key, allowed in (("fragments", 1), ("overlap", False), ("inter_compression", "none")):
-            if getattr(self, key) != allowed:
-                raise ValueError(f"comm.{key}={getattr(self, key)!r} is not available with comm=adaptive yet: use "
-                                 f"comm.{key}={str(allowed).lower()}")
+        # Its DiLoCo mode streams as comm=diloco does (fragments, overlap, the outer exchange's wire dtype: fp8
+        # included); its every-step modes name their own 16-bit hop (+bf16).
+        one_of("comm.inter_compression", self.inter_compression, CODECS)
+        if not isinstance(self.fragments, int) or isinstance(self.fragments, bool) or self.fragments < 1:
+            raise ValueError(f"comm.fragments={self.fragments!r} must be >= 1 (the DiLoCo mode's staggered parts)")
+        if not isinstance(self.overlap_steps, int) or isinstance(self.overlap_steps, bool) or self.overlap_steps < 1:
+            raise ValueError(f"comm.overlap_steps={self.overlap_steps!r} must be >= 1")
+        if self.sync_every:  # a fixed interval: laid out as comm=diloco's; the measured one is rounded to fit
+            if self.sync_every % self.fragments:
+                raise ValueError(f"comm.fragments={self.fragments!r} must divide comm.sync_every={self.sync_every} "
+                                 "(each fragment syncs once per interval, at its own step)")
+            if self.overlap_steps > self.sync_every // self.fragments:
+                raise ValueError(f"comm.overlap_steps={self.overlap_steps!r} must be in "
+                                 f"1..{self.sync_every // self.fragments} (comm.sync_every / comm.fragments: an "
+                                 "exchange lands before the next one leaves)")
         modes = self.adapt_modes
         if not isinstance(modes, (list, tuple)) or not modes or len(set(modes)) != len(modes) \
                 or any(m not in ADAPTIVE_MODES for m in modes):

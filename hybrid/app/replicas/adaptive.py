@@ -46,7 +46,7 @@ from hybrid.core.adaptive import Mode, ModePlan
 from hybrid.core.comm import CommGroups, InterCompressor, PhaseCounters, make_communicator, register_comm_hook, settle_buckets
 from hybrid.core.topology import Topology
 
-__all__ = ["CHECKPOINT_KEY", "GROUP_KINDS", "AdaptiveReplica", "AdaptiveState", "adaptive_modes",
+__all__ = ["CHECKPOINT_KEY", "GROUP_KINDS", "AdaptiveReplica", "AdaptiveState", "adaptive_modes", "streamable",
            "average_optimizer_state"]
 
 CHECKPOINT_KEY = "adaptive"
@@ -61,6 +61,14 @@ def adaptive_modes(cfg: TrainConfig) -> tuple[Mode, ...]:
     """comm.adapt_modes as modes, most faithful first (DiLoCo at comm.sync_every; 0: priced by the link)."""
     return tuple(Mode.parse(m, cfg.comm.sync_every or DEFAULT_SYNC_EVERY) for m in cfg.comm.adapt_modes)
 
+
+
+def streamable(every: int, fragments: int, overlap_steps: int) -> int:
+    """The measured interval ``every``, rounded up to the nearest one a streamed DiLoCo can run: a multiple of
+    ``fragments`` (each syncs once per interval, at its own step) with ``overlap_steps`` inner steps for each
+    fragment's exchange to land before the next leaves."""
+    every = max(every, fragments * overlap_steps)
+    return -(-every // fragments) * fragments
 
 class AdaptiveReplica:
     """This rank's model under the running mode's DDP (:class:`RankReplica` or :class:`diloco.DilocoReplica`),
@@ -187,7 +195,8 @@ class AdaptiveReplica:
             return dataclasses.replace(wanted, sync_every=self.cfg.comm.sync_every)
         advised = self.watch.advice if self.watch is not None else None
         every = advised.sync_every if advised is not None and advised.algorithm == DILOCO else DEFAULT_SYNC_EVERY
-        return dataclasses.replace(wanted, sync_every=every)
+        return dataclasses.replace(wanted, sync_every=streamable(every, self.cfg.comm.fragments,
+                                                                 self.cfg.comm.overlap_steps))
 
     def _leave_diloco(self) -> None:
         self.outer.finish(self.done)  # every rank now holds the same weights
