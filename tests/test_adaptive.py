@@ -139,3 +139,16 @@ def test_a_chooser_restored_from_its_state_chooses_as_the_one_it_was_saved_from(
         slow_h, slow_h, HIER]  # the restored one confirms it, as the straight one does; a fresh one starts over
     again.reset(HIER)
     assert again.current == HIER and again.state_dict()["wanted"] is None
+
+
+@pytest.mark.parametrize(("measured", "fragments", "overlap_steps", "runs"), [
+    (32, 1, 1, 32),  # unstreamed: as measured
+    (7, 4, 1, 8),    # rounded up to a multiple of the fragments
+    (9, 2, 1, 10),
+    (3, 2, 2, 4),    # at least fragments x overlap_steps: each exchange lands before the next leaves
+])
+def test_a_measured_diloco_interval_is_rounded_up_to_one_its_streaming_can_run(measured, fragments, overlap_steps, runs):
+    from hybrid.app.replicas.adaptive import streamable
+
+    every = streamable(measured, fragments, overlap_steps)
+    assert every == runs and every % fragments == 0 and every // fragments >= overlap_steps

@@ -62,13 +62,13 @@ def adaptive_modes(cfg: TrainConfig) -> tuple[Mode, ...]:
     return tuple(Mode.parse(m, cfg.comm.sync_every or DEFAULT_SYNC_EVERY) for m in cfg.comm.adapt_modes)
 
 
-
 def streamable(every: int, fragments: int, overlap_steps: int) -> int:
     """The measured interval ``every``, rounded up to the nearest one a streamed DiLoCo can run: a multiple of
     ``fragments`` (each syncs once per interval, at its own step) with ``overlap_steps`` inner steps for each
     fragment's exchange to land before the next leaves."""
     every = max(every, fragments * overlap_steps)
     return -(-every // fragments) * fragments
+
 
 class AdaptiveReplica:
     """This rank's model under the running mode's DDP (:class:`RankReplica` or :class:`diloco.DilocoReplica`),
