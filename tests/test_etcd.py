@@ -18,7 +18,6 @@ from helpers.elastic_scenarios import a_node_killed_in_place, a_node_killed_rest
 
 pytestmark = pytest.mark.etcd
 ON_ETCD = ("cluster.rdzv_backend=etcd",)
-STEPS = 80
 
 
 def _leader(cluster) -> int:
@@ -102,4 +101,4 @@ def test_a_node_killed_on_etcd_restarts_the_others_from_the_checkpoint(tmp_path)
 def test_a_lost_node_rejoins_in_place_on_etcd(tmp_path):
     """3x1 hierarchical in place on etcd: node 0 (rank 0's) SIGKILLed after step 11 and its agent started again; the
     others keep their processes, the returned node gets its state from a live peer, and the run ends on 3 nodes."""
-    a_node_killed_in_place(1, "hierarchical", 0, tmp_path, ON_ETCD, steps=STEPS, back=True, cpus=0.1)
+    a_node_killed_in_place(1, "hierarchical", 0, tmp_path, ON_ETCD, steps=80, back=True, cpus=0.1)

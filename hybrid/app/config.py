@@ -337,14 +337,26 @@ class CommConfig:
         if isinstance(self.sync_every, bool) or not self.sync_every >= 1:
             raise ValueError(f"comm.sync_every={self.sync_every!r} must be >= 1 (inner steps between syncs)")
         one_of("comm.inter", self.inter, ("auto", *INTER_MODES))
+        self._check_streaming()
+        self._check_outer_optim()
+
+    def _check_streaming(self) -> None:
+        """DiLoCo's streaming keys, comm=diloco's and those of comm=adaptive's DiLoCo mode: the outer exchange's wire
+        dtype, and the fragments and overlap laid out over comm.sync_every (adaptive's 0, the interval the measured
+        link carries, is rounded up to fit them: :func:`hybrid.app.replicas.adaptive.streamable`)."""
+        one_of("comm.inter_compression", self.inter_compression, CODECS)
+        if not self.sync_every:
+            if self.fragments < 1:
+                raise ValueError(f"comm.fragments={self.fragments!r} must be >= 1 (the DiLoCo mode's staggered parts)")
+            if self.overlap_steps < 1:
+                raise ValueError(f"comm.overlap_steps={self.overlap_steps!r} must be >= 1")
+            return
         if not 1 <= self.fragments <= self.sync_every or self.sync_every % self.fragments:
             raise ValueError(f"comm.fragments={self.fragments!r} must divide comm.sync_every={self.sync_every} "
                              "(each fragment syncs once per interval, at its own step)")
-        one_of("comm.inter_compression", self.inter_compression, CODECS)
         if not 1 <= self.overlap_steps <= self.sync_every // self.fragments:
             raise ValueError(f"comm.overlap_steps={self.overlap_steps!r} must be in 1..{self.sync_every // self.fragments}"
                              " (comm.sync_every / comm.fragments: an exchange lands before the next one leaves)")
-        self._check_outer_optim()
 
     def _check_outer_optim(self) -> None:
         if not isinstance(self.outer_optim, dict) or "_target_" not in self.outer_optim:
@@ -360,21 +372,8 @@ class CommConfig:
                              "or 0: the interval the measured link carries")
         one_of("comm.inter", self.inter, ("auto", "hierarchical"), " (comm=adaptive's DiLoCo syncs through the "
                "node leaders, where it also probes the link)")
-        # Its DiLoCo mode streams as comm=diloco does (fragments, overlap, the outer exchange's wire dtype: fp8
-        # included); its every-step modes name their own 16-bit hop (+bf16).
-        one_of("comm.inter_compression", self.inter_compression, CODECS)
-        if not isinstance(self.fragments, int) or isinstance(self.fragments, bool) or self.fragments < 1:
-            raise ValueError(f"comm.fragments={self.fragments!r} must be >= 1 (the DiLoCo mode's staggered parts)")
-        if not isinstance(self.overlap_steps, int) or isinstance(self.overlap_steps, bool) or self.overlap_steps < 1:
-            raise ValueError(f"comm.overlap_steps={self.overlap_steps!r} must be >= 1")
-        if self.sync_every:  # a fixed interval: laid out as comm=diloco's; the measured one is rounded to fit
-            if self.sync_every % self.fragments:
-                raise ValueError(f"comm.fragments={self.fragments!r} must divide comm.sync_every={self.sync_every} "
-                                 "(each fragment syncs once per interval, at its own step)")
-            if self.overlap_steps > self.sync_every // self.fragments:
-                raise ValueError(f"comm.overlap_steps={self.overlap_steps!r} must be in "
-                                 f"1..{self.sync_every // self.fragments} (comm.sync_every / comm.fragments: an "
-                                 "exchange lands before the next one leaves)")
+        # Its DiLoCo mode streams as comm=diloco does; its every-step modes name their own 16-bit hop (+bf16).
+        self._check_streaming()
         modes = self.adapt_modes
         if not isinstance(modes, (list, tuple)) or not modes or len(set(modes)) != len(modes) \
                 or any(m not in ADAPTIVE_MODES for m in modes):

@@ -69,13 +69,13 @@ ADAPTIVE_RUNS = [("adaptive-plan", [*ADAPTIVE_PLAN, "trainer.timeline=true", "tr
                               "comm.adapt_modes=[hierarchical+bf16]"])]
 # Its DiLoCo mode streamed (2 fragments, each exchange overlapped with the next inner step, fp8 on the wire): in at
 # 4, out at 14 (an exchange in flight lands first); every step's replicas checked; stopped at 11 and resumed.
-ADAPTIVE_STREAMED = ["comm=adaptive", "comm.adapt_every=0", "comm.sync_every=4", "comm.fragments=2", "comm.overlap=true",
-                     "comm.overlap_steps=1", "comm.inter_compression=fp8", "trainer.check_replicas_every=1",
-                     "trainer.checkpoint_every=4", "comm.adapt_modes=[hierarchical,diloco]",
-                     "comm.adapt_plan=[[4,diloco],[14,hierarchical]]"]
-ADAPTIVE_RUNS += [("adaptive-streamed", ADAPTIVE_STREAMED),
-                  ("adaptive-unstreamed", [a for a in ADAPTIVE_STREAMED if a.split("=")[0] not in (
-                      "comm.fragments", "comm.overlap", "comm.overlap_steps", "comm.inter_compression")])] + [
+# The same phases unstreamed: the bytes the streamed one is held to.
+ADAPTIVE_UNSTREAMED = ["comm=adaptive", "comm.adapt_every=0", "comm.sync_every=4", "trainer.check_replicas_every=1",
+                       "trainer.checkpoint_every=4", "comm.adapt_modes=[hierarchical,diloco]",
+                       "comm.adapt_plan=[[4,diloco],[14,hierarchical]]"]
+ADAPTIVE_STREAMED = [*ADAPTIVE_UNSTREAMED, "comm.fragments=2", "comm.overlap=true", "comm.overlap_steps=1",
+                     "comm.inter_compression=fp8"]
+ADAPTIVE_RUNS += [("adaptive-streamed", ADAPTIVE_STREAMED), ("adaptive-unstreamed", ADAPTIVE_UNSTREAMED)] + [
     ("adaptive-streamed-11", [*ADAPTIVE_STREAMED, extra]) for extra in ("trainer.stop_after=11", "trainer.resume=true")]
 ZERO = ["comm=sharded", "comm.shard_optimizer=true"]
 ADAMW = ["optim=adamw", "optim.lr=0.001", "optim.weight_decay=0.1", "trainer.grad_clip_norm=1.0"]
