@@ -69,8 +69,8 @@ def test_shapes_the_hook_cannot_serve_are_refused_at_registration_in_one_line():
         said = rank_result["refusals"]
         if rank_result["rank"] in (0, 1):
             assert said["subgroup"] == ("the DDP model's process group holds ranks [0, 1], but the communicator "
-                                        "averages over all 4 ranks of its topology: wrap the model in DDP over "
-                                        "the default group")
+                                        "averages over the 4 ranks [0, 1, 2, 3] of its topology: wrap the model in "
+                                        "DDP over a group of those")
         else:
             assert "subgroup" not in said
         assert said["complex"].startswith("the model has trainable parameters of dtype torch.complex64; "), said

@@ -206,16 +206,26 @@ def test_a_node_killed_mid_run_leaves_the_others_to_finish_on_a_smaller_membersh
 
 @pytest.mark.background  # mostly waits (the lost node's heartbeat): beside the first tiers
 def test_in_place_streaming_diloco_goes_on_with_each_nodes_own_weights_and_syncs_over_the_survivors(tmp_path):
-    """3x2 comm=diloco, H=8 in 2 fragments, overlapped, fp8: node 2 SIGKILLed after step 12 (an exchange that
-    included it left at step 12): every survivor redoes it over the survivors (or all keep it, where it
-    arrived), nothing is read from disk, and the run ends with one model on every rank."""
+    """3x2 comm=diloco, H=8 in 2 fragments, overlapped, fp8, its inner AdamW sharded over each node's workers
+    (comm.shard_optimizer): node 2 SIGKILLed after step 12 (an exchange that included it left at step 12): every
+    survivor redoes it over the survivors (or all keep it, where it arrived), keeps its own weights and inner shard
+    (nothing moves among them), nothing is read from disk, and the run ends with one model on every rank."""
     import json
+    import re
 
-    a_node_killed_in_place(2, "diloco", 2, tmp_path, after=12, steps=24,
-                           extra=("comm.sync_every=8", "comm.fragments=2", "comm.overlap=true", "comm.inter_compression=fp8"))
-    diloco = json.loads((tmp_path / "run" / "metrics.json").read_text())["diloco"]
+    out = a_node_killed_in_place(2, "diloco", 2, tmp_path, after=12, steps=24,
+                                 extra=("comm.sync_every=8", "comm.fragments=2", "comm.overlap=true",
+                                        "comm.inter_compression=fp8", "comm.shard_optimizer=true", "optim=adamw"))
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    diloco = metrics["diloco"]
     assert (diloco["fragments"], diloco["overlap"], diloco["compression"]) == (2, True, "fp8")
     assert diloco["outer_steps"] >= 6  # fragments sync every 4 steps: 4, 8, ..., 24, and the end's
+    adam = 2 * metrics["param_bytes"]  # both moments of every parameter: what one unsharded worker holds
+    assert metrics["shard_optimizer"] and all(0.45 * adam < held < 0.55 * adam for held in metrics["optimizer_state_bytes"])
+    moved = re.findall(r"^in place: state as of step \d+ .*", out, re.MULTILINE)[-1]
+    # Each survivor keeps its own inner shard; a node behind the other takes the other's, shard j from its worker j.
+    for rank, sender in re.findall(r"rank (\d+) <- [^;]*?optimizer [\d.]+ [KMG]?i?B from rank (\d+)", moved):
+        assert int(rank) % 2 == int(sender) % 2, moved
 
 
 @pytest.mark.background  # mostly waits (the lost node's heartbeat): beside the first tiers

@@ -74,6 +74,16 @@ def test_diloco_nodes_at_one_step_keep_their_own_weights_and_a_node_behind_takes
     assert ("outer", 0, 2) in moved and ("outer", 1, 3) in moved
 
 
+def test_diloco_with_a_sharded_inner_optimizer_a_returning_node_takes_one_nodes_weights_and_its_shards_by_local_rank():
+    # comm=diloco with comm.shard_optimizer: node 2 returns; nodes 0 and 1 hold different weights and inner shards.
+    _, moved = plan_transfers(offers("diloco+zero", 3, 2, {4: None, 5: None}))
+    assert {(name, s, r) for name, s, r in moved if name != "optimizer"} == {
+        (name, 0, r) for name in ("model", "node_outer", "run", "outer") for r in (4, 5)}
+    assert sorted(m for m in moved if m[0] == "optimizer") == [("optimizer", 0, 4), ("optimizer", 1, 5)]
+    # A survivor's own shard is its own: another node's worker of the same local rank holds different numbers.
+    assert plan_transfers(offers("diloco_sharded+zero", 2, 2)) == (0, [])
+
+
 def test_ranks_on_either_side_of_a_switch_all_continue_in_the_kind_of_the_one_furthest_along():
     # comm=adaptive: ranks 0-1 committed the switch out of DiLoCo (2 switches), ranks 2-3 did not (1 switch).
     after = offers("replicated", 1, 2, {r: {n: (20, 2, 0) for n in ("run", "model", "optimizer")} for r in (0, 1)})

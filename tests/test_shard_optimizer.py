@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybrid.core.node_sharded_optimizer import whole_state_of_shards
+
 from helpers.trainer_job import checkpoint, job
 
 pytestmark = pytest.mark.multiprocess
@@ -82,6 +84,45 @@ def test_comm_auto_shards_the_optimizer_choosing_only_among_the_comms_that_gathe
     assert report["candidates"] == ["hierarchical", "sharded"], report
     assert report["decisions"] and {d["chosen"] for d in report["decisions"]} <= {"hierarchical", "sharded"}
     _close_models(checkpoint(root / "zero-auto")["model"], checkpoint(root / "zero-hierarchical")["model"])
+
+
+def test_diloco_shards_its_inner_optimizer_over_the_node_and_ends_where_diloco_does():
+    """comm=diloco with comm.shard_optimizer (2x2, H=4, 24 steps of AdamW with weight decay and clipping): the
+    model, node 0's inner Adam moments and node 1's (the checkpoint's DiLoCo entry) within assert_close of DiLoCo
+    unsharded, every step's replicas identical (each node's workers, all four after each outer step), each
+    worker holding half of the inner state; stopped at step 14, inside an interval, it resumes to the same bits."""
+    root, results = job("2x2")
+    zero, plain = checkpoint(root / "diloco-zero-adamw"), checkpoint(root / "diloco-adamw")
+    _close_models(zero["model"], plain["model"])
+    _close_states(zero["optimizer"], plain["optimizer"])
+    nodes, reference = zero["diloco"]["nodes"], plain["diloco"]["nodes"]
+    assert len(nodes) == len(reference) == 2
+    # Node 1's inner state is kept as its two workers held it (nobody gathered it), each a half.
+    shards = nodes[1]["optimizer_shards"]
+    assert len(shards) == 2 and not nodes[1]["optimizer"]["state"]
+    _close_states(_node_state(nodes[1]), reference[1]["optimizer"])
+    metrics, unsharded = results["diloco-zero-adamw"], results["diloco-adamw"]
+    assert metrics["param_checksums_identical"] and metrics["shard_optimizer"]
+    assert metrics["diloco"]["outer_steps"] == unsharded["diloco"]["outer_steps"] == 6
+    for held, full in zip(metrics["optimizer_state_bytes"], unsharded["optimizer_state_bytes"]):
+        assert abs(held - full / 2) <= 0.02 * full / 2, (held, full)
+    resumed = checkpoint(root / "diloco-zero-adamw-14")
+    assert resumed["step"] == 24 and results["diloco-zero-adamw-14"]["steps_run"] == 10
+    for key, tensor in zero["model"].items():
+        assert torch.equal(resumed["model"][key], tensor), key
+    for node, straight in zip(resumed["diloco"]["nodes"], nodes):
+        for i, entry in _node_state(straight)["state"].items():
+            for key, tensor in entry.items():
+                assert torch.equal(_node_state(node)["state"][i][key], tensor), (i, key)
+
+
+def _node_state(node: dict) -> dict:
+    """A DiLoCo checkpoint's node entry's inner optimizer state as torch lays it (its workers' shards laid whole)."""
+    if "optimizer_shards" not in node:
+        return node["optimizer"]
+    params = list(node["model"].values())  # the MLP's parameters, in the optimizer's order (it has no buffers)
+    state = whole_state_of_shards(node["optimizer_shards"], params)
+    return {"state": state, "param_groups": node["optimizer"]["param_groups"]}
 
 
 def test_stopped_at_step_13_and_resumed_it_ends_on_the_straight_runs_bits():

@@ -220,7 +220,11 @@ BAD = [
     (["comm=flat", "comm.shard_optimizer=true"], "comm.shard_optimizer=true is not available with comm=flat, which has "
                                                   "no intra-node phase"),
     (["comm=hsdp", "comm.shard_optimizer=true"], "with comm=hsdp, which shards the optimizer already"),
-    (["comm=diloco", "comm.shard_optimizer=true"], "with comm=diloco, which steps its inner optimizer under torch's"),
+    (["comm=adaptive", "comm.shard_optimizer=true"], "with comm=adaptive, which rebuilds DDP at every switch"),
+    (["trainer.compile=true", "comm.bucket_mb=0.5"], "torch's DDPOptimizer splits the compiled graph at DDP's buckets, which must be at "
+                               "least DDP's first bucket (1 MiB): comm.bucket_mb=0.5 must be >= 1"),
+    (["trainer.compile=true", "comm=hsdp", "comm.bucket_mb=25"], "comm=hsdp runs torch FSDP2, not DDP"),
+    (["trainer.compile=true", "cluster.intra_mode=thread"], "cluster.intra_mode=thread runs no DDP"),
     (["comm=sharded", "comm.shard_optimizer=yes_please"], "comm.shard_optimizer: Value 'yes_please' is not a valid bool"),
     (["comm=sharded", "comm.shard_optimizer=true", "comm.grad_as_bucket_view=false"],
      "comm.shard_optimizer=true gathers the updated parameters through DDP's gradient buckets: it needs "

@@ -164,6 +164,27 @@ def test_auto_records_its_calibration_and_choices_and_trains_like_ddp():
 
 
 @pytest.mark.multiprocess
+def test_a_compiled_model_trains_as_the_uncompiled_one_and_its_first_step_holds_the_compile():
+    """trainer.compile=true (torch.compile'd DDP, inductor) under hierarchical, sharded and DiLoCo (H=4, AdamW): the
+    weights within assert_close of the same comm uncompiled, replicas identical; metrics.json keeps the first
+    step, which compiles, apart from the steady step time (median_step_s leaves it out)."""
+    root, results = job("2x2")
+    for compiled, eager in (("hierarchical-compiled", "hierarchical"), ("sharded-compiled", "sharded"),
+                            ("diloco-adamw-compiled", "diloco-adamw")):
+        metrics = results[compiled]
+        assert metrics["compiled"] and not results[eager]["compiled"], compiled
+        assert metrics["param_checksums_identical"] and metrics["steps"] == results[eager]["steps"], compiled
+        reference, state = model_state(root / eager), model_state(root / compiled)
+        for key, tensor in reference.items():
+            torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{compiled} {key}")
+    # The job's first compiled run traces and compiles (seconds; a step of this MLP takes milliseconds); the later
+    # ones, the same model in the same processes, find dynamo's compiled graph and pass its guards.
+    first = results["hierarchical-compiled"]
+    assert first["first_step_s"] > 10 * first["median_step_s"], first["first_step_s"]
+    assert results["diloco-adamw-compiled"]["diloco"]["outer_steps"] == results["diloco-adamw"]["diloco"]["outer_steps"]
+
+
+@pytest.mark.multiprocess
 def test_twenty_steps_plus_resume_equals_forty_straight_bitwise():
     root, results = job("2x2")
     straight = torch.load(root / "straight" / "checkpoints" / "last.pt", weights_only=True)

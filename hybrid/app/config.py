@@ -182,10 +182,10 @@ REFERENCE_COMMS = ("ddp", "hsdp")
 # "diloco" is hierarchical in time: gradients averaged inside each node every step, nodes meet every
 # comm.sync_every steps (hybrid.core.diloco, hybrid.app.replicas.diloco).
 DILOCO = "diloco"
-# The comms comm.shard_optimizer works with: inside each node (sharded, hierarchical; auto among those two), or,
-# comm=ddp, torch's own ZeroRedundancyOptimizer over every rank of the job (the reference: its parameter exchange
-# crosses nodes).
-SHARDS_OPTIMIZER = ("sharded", "hierarchical", "auto", "ddp")
+# The comms comm.shard_optimizer works with: inside each node (sharded, hierarchical; auto among those two; diloco,
+# whose inner steps average and gather inside the node), or, comm=ddp, torch's own ZeroRedundancyOptimizer over
+# every rank of the job (the reference: its parameter exchange crosses nodes).
+SHARDS_OPTIMIZER = ("sharded", "hierarchical", "auto", DILOCO, "ddp")
 # "adaptive" moves between every-step hierarchical or sharded and DiLoCo as the measured inter-node link changes
 # (hybrid.app.replicas.adaptive, docs/adaptive.md).
 ADAPTIVE = "adaptive"
@@ -322,9 +322,8 @@ class CommConfig:
         if self.algorithm not in SHARDS_OPTIMIZER:
             why = {"flat": "has no intra-node phase to gather the updated parameters over",
                    "hsdp": "shards the optimizer already, with the parameters (FSDP2)",
-                   DILOCO: "steps its inner optimizer under torch's own DDP inside the node",
-                   ADAPTIVE: "moves into DiLoCo, which steps its inner optimizer under torch's own DDP inside the "
-                             "node"}[self.algorithm]
+                   ADAPTIVE: "rebuilds DDP at every switch and, leaving DiLoCo, averages whole optimizer "
+                             "states over every rank, which a node-sharded optimizer's shards do not follow"}[self.algorithm]
             raise ValueError(f"comm.shard_optimizer=true is not available with comm={self.algorithm}, which {why}: "
                              f"use comm={' or comm='.join(SHARDS_OPTIMIZER)}")
         if self.algorithm == "ddp":
@@ -472,6 +471,8 @@ class TrainerConfig:
     # such steps in a row print a warning.
     straggler_margin: float = 0.25
     straggler_steps: int = 5
+    # torch.compile the DDP model (process mode, every comm that runs DDP); the first step pays the compile.
+    compile: bool = False
 
     @property
     def timeline_window(self) -> tuple[int, int]:
@@ -571,6 +572,8 @@ def validate(cfg: TrainSchema) -> TrainConfig:
     if cfg.cluster.intra_mode == "thread" and cfg.comm.torch_hook != "none":
         raise ValueError(f"comm.torch_hook={cfg.comm.torch_hook} hooks torch DDP, which cluster.intra_mode=thread "
                          "does not run: use cluster.intra_mode=process")
+    if cfg.trainer.compile:
+        _check_compile(cfg)
     if cfg.cluster.intra_mode == "thread" and cfg.comm.shard_optimizer:
         raise ValueError("comm.shard_optimizer=true shards the optimizer over a node's worker processes; "
                          "cluster.intra_mode=thread runs one process per node: use cluster.intra_mode=process")
@@ -587,6 +590,21 @@ def validate(cfg: TrainSchema) -> TrainConfig:
     _validate_schedule(optim)
     _validate_trainer(cfg.trainer)
     return TrainConfig(cfg.cluster, cfg.comm, model, data, loss, optim, cfg.trainer)
+
+
+def _check_compile(cfg: TrainSchema) -> None:
+    """trainer.compile: torch.compile'd DDP, where DDP runs with buckets torch's compiler can split the graph at."""
+    if not isinstance(cfg.trainer.compile, bool):
+        raise ValueError(f"trainer.compile={cfg.trainer.compile!r} must be true or false")
+    if cfg.cluster.intra_mode == "thread":
+        raise ValueError("trainer.compile=true compiles the DDP model of each worker process; cluster.intra_mode=thread "
+                         "runs no DDP (one process drives a node's replicas from threads): use cluster.intra_mode=process")
+    if cfg.comm.algorithm == "hsdp":
+        raise ValueError("trainer.compile=true compiles the DDP model; comm=hsdp runs torch FSDP2, not DDP: use a comm "
+                         "that runs DDP (ddp, flat, hierarchical, sharded, auto, diloco, adaptive)")
+    if cfg.comm.bucket_mb < 1:
+        raise ValueError(f"trainer.compile=true: torch's DDPOptimizer splits the compiled graph at DDP's buckets, which "
+                         f"must be at least DDP's first bucket (1 MiB): comm.bucket_mb={cfg.comm.bucket_mb} must be >= 1")
 
 
 def _validate_recovery(c: ClusterConfig, comm: str) -> None:

@@ -91,8 +91,9 @@ class Checkpointer:
         """Collective (the residuals' gather, a sharded model's state); only rank 0 writes."""
         residuals = self.feedback.gather() if self.feedback is not None else None
         deferred = None
-        if isinstance(optimizer, NodeShardedOptimizer):
-            # Its whole state is gathered bucket by bucket into the file: rank 0 never holds all of it.
+        if isinstance(optimizer, NodeShardedOptimizer) and not getattr(self.state, "in_diloco", False):
+            # Its whole state is gathered bucket by bucket into the file: rank 0 never holds all of it. (DiLoCo's
+            # nodes each hold their own: its state streams every node's, gathered on the node's leader.)
             optimizer_state, deferred = optimizer.deferred_state_dict()
             model_state = replicas.module.state_dict()
         else:

@@ -50,6 +50,7 @@ from hybrid.core.comm import (
     PHASES,
     AutoCommunicator,
     CommGroups,
+    NodeCommunicator,
     PhaseCounters,
     group_kinds_for,
     make_communicator,
@@ -240,7 +241,7 @@ def train_process_mode(cfg: TrainConfig, topology: Topology, device: torch.devic
                 # count as one of PowerSGD's warm-up iterations.
                 register_torch_hook(ddp, cfg.comm)
             replicas = RankReplica(ddp, run.streams[0], device, run.loss_fn, cfg.trainer.precision,
-                                   counters.recorder)
+                                   counters.recorder, cfg.trainer.compile)
             return train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device,
                                     feedback, comm)
         finally:
@@ -277,18 +278,33 @@ def train_diloco(cfg: TrainConfig, topology: Topology, device: torch.device, run
     if held is not None:
         outer.resume()  # what the interrupted step had left to do
     ddp = wrap_ddp(cfg, run.model, device, groups.intra)
-    replicas = None
-    with _released_once_finished(groups.destroy):
+    replicas = hook = node_groups = None
+
+    def destroy() -> None:
+        groups.destroy()
+        if node_groups is not None:
+            node_groups.destroy()
+
+    with _released_once_finished(destroy):
         try:
+            if cfg.comm.shard_optimizer:
+                # The inner optimizer sharded over the node's workers, on a node group of its own (DDP's is busy with
+                # DDP's own broadcasts, the outer loop's with its exchanges): each averages its shard of a bucket
+                # inside the node and the node gathers the updated weights, as ZeRO-1 does under the every-step comms.
+                node_groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend,
+                                               cfg.comm.timeout_s, kinds=("intra",))
+                hook = run.optimizer.attach(ddp, NodeCommunicator(node_groups, counters, cfg.comm.chunk_bytes))
             x, y = sample_batch(run.dataset, cfg.data.batch_size, device)
-            settle_buckets(ddp, None, lambda: batch_loss(ddp, x, y, run.loss_fn).backward())
+            settle_buckets(ddp, hook, lambda: batch_loss(ddp, x, y, run.loss_fn).backward())
             replicas = diloco.DilocoReplica(ddp, run.streams[0], device, run.loss_fn, outer, topology, run.start_step,
                                             cfg.trainer.max_steps, metrics.scalars, cfg.trainer.precision,
-                                            counters.recorder)
+                                            counters.recorder, cfg.trainer.compile)
             return train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device, None)
         finally:
             if replicas is not None:
                 replicas.close()
+            if hook is not None:
+                hook.close()
 
 
 def train_adaptive(cfg: TrainConfig, topology: Topology, device: torch.device, run_path: Path, metrics: Metrics,

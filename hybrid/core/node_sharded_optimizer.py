@@ -46,9 +46,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hybrid.core.comm.base import Communicator
 from hybrid.core.comm.ddp_hook import CommHookState, register_comm_hook
-from hybrid.core.optimizer_shards import BucketShards, NoState, ShardLayout, check_elementwise, collective
+from hybrid.core.optimizer_shards import BucketShards, NoState, ShardLayout, check_elementwise, collective, first_rank
 
-__all__ = ["SHARD_KEY", "NodeShardedOptimizer", "optimizer_state_bytes"]
+__all__ = ["SHARD_KEY", "NodeShardedOptimizer", "optimizer_state_bytes", "whole_state_of_shards"]
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -233,6 +233,10 @@ class NodeShardedOptimizer(torch.optim.Optimizer):
 
     # State dicts: torch's own format, whole tensors.
 
+    def groups_state(self) -> list[dict[str, Any]]:
+        """The param groups as torch's optimizer state_dict lists them (parameters by number), no state."""
+        return self._groups_state()
+
     def _groups_state(self) -> list[dict[str, Any]]:
         numbers, groups = iter(range(len(self._params))), []
         for g in self.param_groups:
@@ -242,23 +246,26 @@ class NodeShardedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """torch's optimizer state_dict of the whole model, complete on rank 0 (its node's workers gather it
-        there; the other ranks get the param groups and no state). Collective over rank 0's node."""
+        there; the other ranks get the param groups and no state). Over a node-only communicator (nodes that
+        train apart, comm=diloco: :class:`~hybrid.core.comm.sharded.NodeCommunicator`), every node's leader gets its
+        node's. Collective over the gathering node(s)."""
         if self.layout is None:  # not stepped yet: what was loaded, if anything (a peer's shard is no whole state)
             state = dict(self._pending["state"]) if self._pending is not None and "state" in self._pending else {}
         else:
             topo = self.layout.comm.topology
-            whole = self.layout.whole_state(to_all=False) if 0 in topo.node_ranks else {}
-            state = whole if topo.rank == 0 else {}
+            whole = self.layout.whole_state(to_all=False) if topo.node == 0 else {}
+            state = whole if topo.rank == first_rank(topo) else {}
         return {"state": state, "param_groups": self._groups_state()}
 
     def deferred_state_dict(self) -> tuple[dict[str, Any], Any]:
         """:meth:`state_dict` with the whole tensors left as placeholders on rank 0, and a
         :class:`~hybrid.app.state.streamed_save.Deferred` whose ``fill`` (collective over rank 0's node) gathers
         them one bucket at a time: rank 0 never holds the whole state. Elsewhere: no state, nothing to fill."""
-        if self.layout is None or 0 not in self.layout.comm.topology.node_ranks:
+        topo = self.layout.comm.topology if self.layout is not None else None
+        if topo is None or topo.node != 0:
             return self.state_dict(), NoState()
         state, gathered = self.layout.deferred_state()
-        state = state if self.layout.comm.topology.rank == 0 else {}
+        state = state if topo.rank == first_rank(topo) else {}
         return {"state": state, "param_groups": self._groups_state()}, gathered
 
     def shard_state(self) -> dict[str, Any]:
@@ -309,3 +316,29 @@ def _load_shard(layout: ShardLayout, shard: dict[str, Any]) -> None:
         if state:
             layout.inner.state[view] = {k: v.to(view.device) if torch.is_tensor(v) and v.dim() else v
                                         for k, v in state.items()}
+
+
+def whole_state_of_shards(shards: list[dict[str, Any]], params: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
+    """torch's whole-tensor optimizer state (parameter number -> entries) of one node, from every one of its
+    workers' :meth:`NodeShardedOptimizer.shard_state` (any order): each slice's entries laid at its place in its
+    parameter, scalars (the step count) from any slice. ``params``: the model's parameters in the optimizer's
+    order, for their shapes. What a checkpoint that kept a node's shards as they were resumes from, on any layout."""
+    whole: dict[int, dict[str, Any]] = {}
+    for shard in shards:
+        if SHARD_KEY not in shard:  # written before its first step: what it was loaded with, whole
+            for number, entries in shard.get("state", {}).items():
+                whole.setdefault(int(number), dict(entries))
+            continue
+        part = shard[SHARD_KEY]
+        for (number, start, numel), entries in zip(part["slices"], part["state"], strict=True):
+            param = params[number]
+            into = whole.setdefault(number, {})
+            for key, value in entries.items():
+                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel and key != "step":
+                    flat = into.get(key)
+                    if flat is None:
+                        flat = into[key] = torch.zeros(param.shape, dtype=value.dtype)
+                    flat.view(-1)[start:start + numel].copy_(value)
+                else:
+                    into.setdefault(key, value)
+    return whole

@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 from hybrid.core.comm.base import Communicator
+from hybrid.core.topology import Topology
 from hybrid.core.untouched import untouched_tensor
 
-__all__ = ["ELEMENTWISE", "BucketShards", "GatheredState", "NoState", "Segment", "ShardLayout", "check_elementwise", "collective", "segments_of",
-           "slice_of"]
+__all__ = ["ELEMENTWISE", "BucketShards", "GatheredState", "NoState", "Segment", "ShardLayout", "check_elementwise",
+           "collective", "first_rank", "segments_of", "slice_of"]
 
 # torch.optim classes whose update of an element reads only that element's gradient and state (and scalars
 # such as the step count), so that a slice of a tensor steps as it would inside the whole tensor.
@@ -202,8 +203,9 @@ class ShardLayout:
             received = [torch.empty_like(send) for _ in ranges]
             collective(self.comm, lambda: dist.all_gather(received, send, group=group))
         else:
-            received = [torch.empty_like(send) for _ in ranges] if topo.rank == 0 else None
-            collective(self.comm, lambda: dist.gather(send, received, dst=0, group=group))
+            root = first_rank(topo)
+            received = [torch.empty_like(send) for _ in ranges] if topo.rank == root else None
+            collective(self.comm, lambda: dist.gather(send, received, dst=root, group=group))
         if received is None:
             return None
         whole = torch.empty(b.numel, dtype=dtype)
@@ -242,7 +244,7 @@ class ShardLayout:
         jobs = [(b, key, dtype) for b in self.buckets for key, dtype in kinds
                 if any(p >= 0 and key in state.get(p, {}) for p in b.params)]
         placeholders: dict[tuple[int, str], torch.Tensor] = {}
-        if self.comm.topology.rank == 0:
+        if self.comm.topology.rank == first_rank(self.comm.topology):
             for b, key, dtype in jobs:
                 whole = placeholders[(b.index, key)] = untouched_tensor((b.numel,), dtype)
                 for param, tensor, offset in zip(b.params, b.tensors, b.offsets):
@@ -268,6 +270,7 @@ class GatheredState:
         Collective over the node."""
         layout = self.layout
         topo, group = layout.comm.topology, layout.comm.groups.intra
+        root = first_rank(topo)
         for b, key, dtype in self.jobs:
             for piece in layout.comm.shard_pieces(b.numel, b.buffer.element_size()):
                 mine = piece[topo.local_rank]
@@ -275,9 +278,9 @@ class GatheredState:
                 layout.pack(b, key, [mine], send)
                 received = [send]
                 if topo.local_world_size > 1:
-                    received = [torch.empty_like(send) for _ in piece] if topo.rank == 0 else []
-                    collective(layout.comm, lambda: dist.gather(send, received or None, dst=0, group=group))
-                if write is not None and topo.rank == 0:
+                    received = [torch.empty_like(send) for _ in piece] if topo.rank == root else []
+                    collective(layout.comm, lambda: dist.gather(send, received or None, dst=root, group=group))
+                if write is not None and topo.rank == root:
                     for (start, end), values in zip(piece, received):
                         if end > start:
                             write(self._placeholders[(b.index, key)], values[:end - start], start)
@@ -298,6 +301,12 @@ ELEMENTWISE_STATE = "elementwise"
 
 def _is_elementwise(value: Any) -> bool:
     return isinstance(value, tuple) and value[:1] == (ELEMENTWISE_STATE,)
+
+
+def first_rank(topology: Topology) -> int:
+    """Where a node-sharded optimizer's whole state is gathered: the first rank of its communicator's topology
+    (rank 0 of the job; under comm=diloco, whose nodes each hold their own state, the node's leader)."""
+    return topology.nodes[0][0]
 
 
 def collective(comm: Communicator, run: Callable[[], Any]) -> Any:

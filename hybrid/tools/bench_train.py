@@ -57,7 +57,7 @@ __all__ = ["TrainBenchOptions", "bench_settings", "compose_settings", "main", "r
 ZERO = "zero"
 BENCH_COMMS = ("ddp", "flat", "hierarchical", "sharded", "auto", "hsdp",
                *(f"{c}+{k}" for c in ("hierarchical", "sharded") for k in ("bf16", "fp16")),
-               *(f"{c}+{ZERO}" for c in ("ddp", "hierarchical", "sharded")),
+               *(f"{c}+{ZERO}" for c in ("ddp", "hierarchical", "sharded", "diloco")),
                *(f"sharded+{k}+{ZERO}" for k in ("bf16", "fp16")),
                *(f"ddp+{h}" for h in ("bf16", "fp16", "powersgd")),
                "diloco", *(f"diloco+{k}" for k in ("bf16", "fp16", "fp8")))

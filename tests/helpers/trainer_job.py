@@ -95,6 +95,19 @@ ZERO_PLANS = [
     ("zero-auto", ["comm=auto", "comm.shard_optimizer=true"]),  # auto among hierarchical and sharded
     ("zero+fp16", [*ZERO, "comm.inter_compression=fp16"]),
 ]
+# comm=diloco with comm.shard_optimizer: AdamW (weight decay, clipping) at H=4 for 24 steps against DiLoCo's own,
+# every step's replicas checked; stopped at 14 (inside an interval: the nodes' inner shards differ) and resumed.
+DILOCO_ADAMW = ["comm=diloco", "comm.sync_every=4", *ADAMW, "trainer.max_steps=24", "trainer.check_replicas_every=1",
+                "trainer.checkpoint_every=4"]
+DILOCO_ZERO = [*DILOCO_ADAMW, "comm.shard_optimizer=true"]
+DILOCO_ZERO_PLANS = [("diloco-adamw", DILOCO_ADAMW), ("diloco-zero-adamw", DILOCO_ZERO)] + [
+    ("diloco-zero-adamw-14", [*DILOCO_ZERO, extra]) for extra in ("trainer.stop_after=14", "trainer.resume=true")]
+# trainer.compile: torch.compile'd DDP in three comms (DDP's buckets at 1 MiB, as torch's DDPOptimizer needs: one
+# bucket of this MLP), each against its uncompiled run above; the first compiles, the others find dynamo's graph.
+COMPILED = ["trainer.compile=true", "comm.bucket_mb=1"]
+COMPILED_PLANS = [("hierarchical-compiled", ["comm=hierarchical", *COMPILED]),
+                  ("sharded-compiled", ["comm=sharded", *COMPILED]),
+                  ("diloco-adamw-compiled", [*DILOCO_ADAMW, *COMPILED])]
 # optim.no_decay (biases and norm weights without weight decay): AdamW in every comm against comm=ddp's, ZeRO's
 # stopped at 13 and resumed; SGD's exact DiLoCo case (H=1) against DDP's with that SGD and weight decay.
 NO_DECAY = [*ADAMW, "optim.no_decay=true"]
@@ -105,7 +118,7 @@ NO_DECAY_PLANS = [(f"{name}-nodecay", [*comm, *NO_DECAY]) for name, comm in (
     ("zero-nodecay-13", [*ZERO, *NO_DECAY, *extra]) for extra in (["trainer.stop_after=13"], ["trainer.resume=true"])
 ] + [("ddp-sgd-nodecay", ["comm=ddp", *SGD_DECAY]), ("diloco-exact-nodecay", [*DILOCO_EXACT, *SGD_DECAY])]
 PLANS = {
-    "2x2": [(c, [f"comm={c}"]) for c in COMMS] + ZERO_PLANS + NO_DECAY_PLANS + [
+    "2x2": [(c, [f"comm={c}"]) for c in COMMS] + ZERO_PLANS + DILOCO_ZERO_PLANS + COMPILED_PLANS + NO_DECAY_PLANS + [
         ("ddp-plain-sgd", ["comm=ddp", *PLAIN_SGD]),
         ("diloco-exact", DILOCO_EXACT),
         ("diloco-exact-sharded", [*DILOCO_EXACT, "comm.inter=sharded"]),

@@ -280,8 +280,11 @@ class MetricsProcessor:
     def _speed(self) -> dict[str, float]:
         timed = self.step_times[1:] or self.step_times  # the first step includes warm-up
         mean_step = sum(timed) / len(timed) if timed else float("nan")
+        # The first step apart: it includes the warm-up, and with trainer.compile the compile (compiled_first_step_s).
+        first = self.step_times[0] if self.step_times else float("nan")
         return {"samples_per_s": self.samples_per_step / mean_step if timed else float("nan"),
-                "mean_step_s": mean_step, "median_step_s": statistics.median(timed) if timed else float("nan")}
+                "mean_step_s": mean_step, "median_step_s": statistics.median(timed) if timed else float("nan"),
+                "first_step_s": first, "compiled": self.cfg.trainer.compile}
 
     def _log_hparams(self, result: dict[str, Any]) -> None:
         cfg = self.cfg

@@ -232,7 +232,7 @@ class AdaptiveReplica:
             settle_buckets(ddp, None, lambda: batch_loss(ddp, *self.sample, run.loss_fn).backward())
             self._inner = diloco.DilocoReplica(ddp, run.streams[0], self.device, run.loss_fn, self.outer,
                                                self.topology, self.done, cfg.trainer.max_steps, self.log_scalars,
-                                               cfg.trainer.precision, self.counters.recorder)
+                                               cfg.trainer.precision, self.counters.recorder, cfg.trainer.compile)
             return
         ddp = self.wrap(run.model, None)
         communicator = make_communicator(mode.algorithm, self.groups, self.counters, cfg.comm.chunk_bytes,
@@ -242,7 +242,7 @@ class AdaptiveReplica:
         self._hook = register_comm_hook(ddp, communicator)
         settle_buckets(ddp, self._hook, lambda: batch_loss(ddp, *self.sample, run.loss_fn).backward())
         self._inner = RankReplica(ddp, run.streams[0], self.device, run.loss_fn, cfg.trainer.precision,
-                                  self.counters.recorder)
+                                  self.counters.recorder, cfg.trainer.compile)
 
     def probe(self) -> tuple[float, float]:
         """Time an all-reduce of :data:`PROBE_BYTES` among the node leaders, once they have met: DiLoCo leaves

@@ -132,9 +132,13 @@ class RankReplica:
     shard_index = 0
 
     def __init__(self, ddp: DDP, stream: BatchStream, device: torch.device, loss_fn: LossFn,
-                 precision: str = "fp32", recorder: StepRecorder | None = None) -> None:
+                 precision: str = "fp32", recorder: StepRecorder | None = None, compile: bool = False) -> None:
         self.ddp, self.stream, self.device, self.precision = ddp, stream, device, precision
         self.loss_fn = loss_fn
+        # trainer.compile: forward through torch.compile'd DDP, as torch documents it (its DDPOptimizer splits the
+        # graph at DDP's buckets, so each bucket's gradients still leave as backward reaches them); the comm hook,
+        # no_sync and the parameters are DDP's own. The first step pays the compile.
+        self.forward_model: nn.Module = torch.compile(ddp) if compile else ddp
         self.recorder = recorder if recorder is not None else StepRecorder(())
         self.recorder.watch_gradients(ddp.module)  # backward's compute ends at its last accumulated gradient
 
@@ -144,8 +148,8 @@ class RankReplica:
 
     def forward_backward(self, accum: int) -> torch.Tensor:
         # Only the last micro-step synchronises gradients.
-        return accumulate(self.ddp, accum, self.stream, self.device, self.loss_fn, self.precision, self.recorder,
-                          lambda last: nullcontext() if last else self.ddp.no_sync())
+        return accumulate(self.forward_model, accum, self.stream, self.device, self.loss_fn, self.precision,
+                          self.recorder, lambda last: nullcontext() if last else self.ddp.no_sync())
 
     def end_step(self) -> None:
         pass  # every rank stepped its own replica with the same averaged gradients

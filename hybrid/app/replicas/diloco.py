@@ -34,6 +34,7 @@ from hybrid.app.replicas.base import PlainState, RankReplica
 from hybrid.app.state.rank_parts import StreamedParts
 from hybrid.core.comm import CommGroups, PhaseCounters
 from hybrid.core.diloco import OuterSync
+from hybrid.core.node_sharded_optimizer import NodeShardedOptimizer, whole_state_of_shards
 from hybrid.core.timeline import StepRecorder
 from hybrid.core.topology import Topology
 
@@ -90,8 +91,13 @@ def restore_node(saved: dict[str, Any] | None, node: int, model: nn.Module, opti
     entry = nodes[node] if node < len(nodes) else nodes[0]
     if node != 0:
         model.load_state_dict(entry["model"])
-        optimizer.load_state_dict({"state": entry["optimizer"]["state"],
-                                   "param_groups": optimizer.state_dict()["param_groups"]})
+        state = entry["optimizer"]["state"]
+        if "optimizer_shards" in entry:  # its workers' shards as they held them (comm.shard_optimizer)
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            state = whole_state_of_shards(entry["optimizer_shards"], params)
+        groups = optimizer.groups_state() if isinstance(optimizer, NodeShardedOptimizer) else \
+            optimizer.state_dict()["param_groups"]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
     shares = saved.get("outer_shares")  # absent: a checkpoint whose nodes each held the whole outer state
     outer.load_state_dict(entry["outer"] if shares is None else {**entry["outer"], "shares": shares})
     return None if node < len(nodes) else (f"diloco: node {node} is new since the checkpoint ({len(nodes)} "
@@ -111,6 +117,7 @@ class DilocoState(PlainState):
         self.topology = topology
         self.outer: OuterSync | None = None
         self._parts: StreamedParts | None = None
+        self._gathered: Any = None  # comm.shard_optimizer: node 0's inner state, gathered into the file
 
     def collect(self, model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         if self.outer is None:
@@ -118,21 +125,52 @@ class DilocoState(PlainState):
         outer = self.outer.state_dict()  # collective where an exchange is in flight: on every rank
         share = outer.pop("shares")[0]
         topology = self.topology
-        node = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "outer": outer}
+        shard, self._gathered = None, None
+        if isinstance(optimizer, NodeShardedOptimizer):
+            # No worker gathers its node's inner state: node 0's goes into the file one piece at a time as torch's
+            # whole state (the checkpoint's optimizer, which any comm resumes); every other node's workers send
+            # their shards as they hold them (restore_node lays them whole again).
+            if topology.node == 0:
+                inner, self._gathered = optimizer.deferred_state_dict()
+            else:
+                inner, shard = {"state": {}, "param_groups": optimizer.groups_state()}, optimizer.shard_state()
+        else:
+            inner = optimizer.state_dict()
+        node = {"model": model.state_dict(), "optimizer": inner, "outer": outer}
         holds_share = topology.node == 0 and (self.outer.owners is not None or topology.is_leader)
-        mine = {"node": node if topology.is_leader else None, "share": share if holds_share else None}
-        self._parts = StreamedParts(mine if topology.is_leader or holds_share else None)
+        mine = {"node": node if topology.is_leader else None, "share": share if holds_share else None,
+                "shard": shard, "at": topology.node}
+        self._parts = StreamedParts(mine if topology.is_leader or holds_share or shard is not None else None)
         return node["model"], node["optimizer"]
 
     def extra(self) -> dict[str, Any]:
         entries = self._parts.entries() if self._parts is not None else None
         if entries is None:
             return {}
-        return {CHECKPOINT_KEY: {"nodes": [e["node"] for e in entries if e["node"] is not None],
-                                 "outer_shares": [e["share"] for e in entries if e["share"] is not None]}}
+        nodes = [dict(e["node"]) for e in entries if e["node"] is not None]  # copies: the entries stream as they are
+        for e in entries:  # rank order: a node's shards in local-rank order
+            if e.get("shard") is not None:
+                nodes[e["at"]].setdefault("optimizer_shards", []).append(e["shard"])
+        return {CHECKPOINT_KEY: {"nodes": nodes, "outer_shares": [e["share"] for e in entries if e["share"] is not None]}}
 
-    def deferred(self) -> StreamedParts | None:
-        return self._parts
+    def deferred(self) -> Any:
+        if self._gathered is None:
+            return self._parts
+        return InOrder([self._gathered, self._parts])
+
+
+class InOrder:
+    """Several :class:`hybrid.app.state.streamed_save.Deferred` filled one after the other, on every rank alike."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = [p for p in parts if p is not None]
+
+    def placeholders(self) -> list[torch.Tensor]:
+        return [t for p in self.parts for t in p.placeholders()]
+
+    def fill(self, write: Callable[[torch.Tensor, torch.Tensor, int], None] | None) -> None:
+        for p in self.parts:
+            p.fill(write)
 
 
 class DilocoReplica(RankReplica):
@@ -146,8 +184,8 @@ class DilocoReplica(RankReplica):
     def __init__(self, ddp: DDP, stream: BatchStream, device: torch.device, loss_fn: LossFn, outer: OuterSync,
                  topology: Topology, start_step: int, max_steps: int,
                  log_scalars: Callable[[int, dict[str, float]], None], precision: str = "fp32",
-                 recorder: StepRecorder | None = None) -> None:
-        super().__init__(ddp, stream, device, loss_fn, precision, recorder)
+                 recorder: StepRecorder | None = None, compile: bool = False) -> None:
+        super().__init__(ddp, stream, device, loss_fn, precision, recorder, compile)
         self.outer, self.node, self.log_scalars = outer, topology.node, log_scalars
         self.inner_step, self.max_steps = start_step, max_steps
         self._loss: torch.Tensor | None = None

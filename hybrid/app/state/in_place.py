@@ -288,13 +288,16 @@ class InPlace:
             kind = "sharded_model"
         elif isinstance(optimizer, NodeShardedOptimizer):
             parts["optimizer"] = optimizer.shard_state()
-            versions["optimizer"] = (progress.step + optimizer.updates - progress.optimizer_updates, 0)
+            shard_step = progress.step + optimizer.updates - progress.optimizer_updates
+            # As of the stage (DiLoCo's inner step done, its outer step not) where it took that step's update.
+            versions["optimizer"] = version if shard_step == step else (shard_step, 0)
             kind = "node_sharded"
         else:
             parts["optimizer"] = optimizer.state_dict()
             kind = "replicated"
         if getattr(access, "in_diloco", outer is not None):
-            kind = "diloco_sharded" if outer is not None and outer.inter == "sharded" else "diloco"
+            kind = ("diloco_sharded" if outer is not None and outer.inter == "sharded" else "diloco") + (
+                "+zero" if kind == "node_sharded" else "")
         if outer is not None:
             parts["outer"], parts["node_outer"] = outer.held_state()
             versions["outer"] = versions["node_outer"] = version

@@ -39,25 +39,32 @@ from hybrid.core.units import human_bytes
 __all__ = ["JOB", "KINDS", "Offer", "assemble", "holdings_of", "plan_transfers"]
 
 JOB: tuple[Any, ...] = ("job",)  # every worker of the job holds the same
-# How a run's state is held, which decides its parts and who holds copies of each (:func:`holdings_of`).
-KINDS = ("replicated", "node_sharded", "sharded_model", "diloco", "diloco_sharded")
+# How a run's state is held, which decides its parts and who holds copies of each (:func:`holdings_of`). DiLoCo's
+# ``+zero``: its inner optimizer sharded over the node's workers (comm.shard_optimizer).
+KINDS = ("replicated", "node_sharded", "sharded_model", "diloco", "diloco_sharded", "diloco+zero",
+         "diloco_sharded+zero")
+Holding = tuple[tuple[Any, ...], tuple[Any, ...] | None]  # (who holds copies, among whom a stand-in may come)
 
 
-def holdings_of(kind: str, node: int, local_rank: int) -> dict[str, tuple[tuple[Any, ...], bool]]:
+def holdings_of(kind: str, node: int, local_rank: int) -> dict[str, Holding]:
     """The parts of a state of ``kind`` held by worker (``node``: its launcher name, ``local_rank``), each with who
     holds interchangeable copies (``JOB``: every worker; ``("node", n)``: the workers of node ``n``;
-    ``("local", j)``: those of local rank ``j``) and whether another holder's copy may stand in for a missing
-    one (a node's own weights may, from the most advanced node; a shard may not)."""
+    ``("local", j)``: those of local rank ``j``; ``("node", n, j)``: local rank ``j`` of node ``n``) and, where
+    another holder's copy may stand in for a missing one, among whom (a node's own weights may, from the most
+    advanced node: ``JOB``; its optimizer's shard ``j`` from that node's worker ``j``: ``("local", j)``; a shard
+    every node holds may not: None)."""
     if kind not in KINDS:
         raise ValueError(f"state kind {kind!r} is not one of {', '.join(KINDS)}")
-    own, local = (("node", node), True), (("local", local_rank), False)
-    if kind in ("diloco", "diloco_sharded"):
-        return {"run": (JOB, False), "model": own, "optimizer": own, "node_outer": own,
-                "outer": local if kind == "diloco_sharded" else (JOB, False)}
+    own, local = (("node", node), JOB), (("local", local_rank), None)
+    job = (JOB, None)
+    base, zero = kind.removesuffix("+zero"), kind.endswith("+zero")
+    if base in ("diloco", "diloco_sharded"):
+        optimizer = (("node", node, local_rank), ("local", local_rank)) if zero else own
+        return {"run": job, "model": own, "optimizer": optimizer, "node_outer": own,
+                "outer": local if base == "diloco_sharded" else job}
     if kind == "sharded_model":  # comm=hsdp: FSDP2 shards the parameters and their optimizer state inside the node
-        return {"run": (JOB, False), "model": local, "optimizer": local}
-    return {"run": (JOB, False), "model": (JOB, False),
-            "optimizer": local if kind == "node_sharded" else (JOB, False)}
+        return {"run": job, "model": local, "optimizer": local}
+    return {"run": job, "model": job, "optimizer": local if kind == "node_sharded" else job}
 
 
 @dataclass(frozen=True)
@@ -96,8 +103,8 @@ def plan_transfers(offers: Sequence[Offer]) -> tuple[int, list[tuple[str, int, i
                 continue
             holder, stand_in = holders[rank]
             senders = [r for r, other in enumerate(offers) if held(other, name) and holders[r][0] == holder]
-            if not senders and stand_in:
-                senders = [r for r, other in enumerate(offers) if held(other, name)]
+            if not senders and stand_in is not None:
+                senders = [r for r, other in enumerate(offers) if held(other, name) and holders[r][1] == stand_in]
             if not senders:
                 raise RuntimeError(f"recovery in place: no live worker holds the {name} of "
                                    f"{'/'.join(map(str, holder))} as of step {target[0]}, which rank {rank} needs (the "

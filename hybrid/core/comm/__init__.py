@@ -22,7 +22,7 @@ from hybrid.core.comm.groups import BACKENDS, GROUP_KINDS, CommGroups
 from hybrid.core.comm.hierarchical import HierarchicalCommunicator
 from hybrid.core.comm.ordered_stream import OrderedStream
 from hybrid.core.comm.registry import ALGORITHM_CLASSES, CHOOSABLE
-from hybrid.core.comm.sharded import ShardedCommunicator
+from hybrid.core.comm.sharded import NodeCommunicator, ShardedCommunicator
 
 __all__ = [
     "ALGORITHM_CLASSES",
@@ -44,6 +44,7 @@ __all__ = [
     "FlatCommunicator",
     "HierarchicalCommunicator",
     "InterCompressor",
+    "NodeCommunicator",
     "OrderedStream",
     "PhaseCounters",
     "PhaseStats",

@@ -209,10 +209,11 @@ def _check_supported(model: DistributedDataParallel, communicator: Communicator)
     """Refuse, in one line, what would average over the wrong ranks or fail inside backward."""
     topo = communicator.topology
     ranks = dist.get_process_group_ranks(model.process_group)
-    if ranks != list(range(topo.world_size)):
+    expected = sorted(r for node in topo.nodes for r in node)  # every rank of the job (a node's: NodeCommunicator)
+    if sorted(ranks) != expected:
         raise ValueError(
-            f"the DDP model's process group holds ranks {ranks}, but the communicator averages over all "
-            f"{topo.world_size} ranks of its topology: wrap the model in DDP over the default group")
+            f"the DDP model's process group holds ranks {ranks}, but the communicator averages over the "
+            f"{topo.world_size} ranks {expected} of its topology: wrap the model in DDP over a group of those")
     dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype not in SUPPORTED_DTYPES})
     if dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)

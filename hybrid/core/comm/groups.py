@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Iterable, Iterator
 
@@ -150,6 +150,15 @@ class CommGroups:
             cross=cross,
             kinds=wanted,
         )
+
+    def inside_node(self) -> "CommGroups":
+        """These groups seen as a job of one node, this rank's: its ``intra`` group only, with no inter-node
+        level. What a node that trains on its own between meetings (comm=diloco's inner steps) shards its
+        optimizer over; the copy shares the ordered stream."""
+        if self.intra is None:
+            raise ValueError("inside_node needs the intra-node group: build it with kinds including 'intra'")
+        node = Topology(self.topology.rank, (self.topology.node_ranks,))
+        return replace(self, topology=node, world=None, leaders=None, cross=None, kinds=frozenset({"intra"}))
 
     @property
     def gloo_only(self) -> bool:

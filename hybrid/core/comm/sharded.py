@@ -34,7 +34,7 @@ from hybrid.core.comm.base import DEFAULT_CHUNK_BYTES, PIPELINE_WINDOW, Communic
 from hybrid.core.comm.counters import PhaseCounters, rooted_bytes
 from hybrid.core.comm.groups import CommGroups
 
-__all__ = ["ShardedCommunicator"]
+__all__ = ["NodeCommunicator", "ShardedCommunicator"]
 
 
 class ShardedCommunicator(Communicator):
@@ -45,7 +45,7 @@ class ShardedCommunicator(Communicator):
     def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, inter_compression: str = "none") -> None:
         super().__init__(groups, counters, chunk_bytes, inter_compression)
-        if not groups.topology.is_uniform or groups.cross is None:
+        if not groups.topology.is_uniform or (groups.cross is None and groups.topology.nnodes > 1):
             raise ValueError(
                 f"sharded needs nodes of equal size, got node sizes {list(groups.topology.node_sizes)}"
             )
@@ -107,3 +107,17 @@ class ShardedCommunicator(Communicator):
                        cross=cross, finish=finish,
                        reduce_bytes=lambda i: rooted_bytes(sum(s.nbytes for s in pieces[i]), local),
                        broadcast_bytes=rooted_bytes(flat.nbytes, local))
+
+
+class NodeCommunicator(ShardedCommunicator):
+    """``sharded`` inside one node only: the reduce-scatter and all-gather over the node's workers, no inter-node
+    phase. What a node-sharded optimizer averages and gathers over where the nodes train apart between meetings
+    (comm=diloco's inner steps, whose outer loop crosses nodes on its own). ``groups``: any groups with the
+    intra-node one (:meth:`CommGroups.inside_node` is applied here)."""
+
+    name = "node"
+    group_kinds = ("intra",)
+
+    def __init__(self, groups: CommGroups, counters: PhaseCounters | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        super().__init__(groups.inside_node(), counters, chunk_bytes)
