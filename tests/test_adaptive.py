@@ -152,3 +152,23 @@ def test_a_measured_diloco_interval_is_rounded_up_to_one_its_streaming_can_run(m
 
     every = streamable(measured, fragments, overlap_steps)
     assert every == runs and every % fragments == 0 and every // fragments >= overlap_steps
+
+
+def test_under_an_overlapped_diloco_the_link_watch_leaves_the_exchanges_counted_seconds_out():
+    """An overlapped exchange's counted seconds are the wait left after the inner steps it ran beside: counted, they
+    read the link as fast as it is not. Under comm.overlap the watch leaves DiLoCo's inter-node phase out (its probe
+    measures the link); without overlap, and in the every-step modes, it counts it."""
+    from hybrid.app.observability.link_watch import LinkWatch
+    from hybrid.app.observability.metrics import NullMetrics
+    from hybrid.core.comm.counters import PhaseStats
+
+    phases = {"inter_allreduce": PhaseStats(seconds=0.001, bytes=1 << 20, calls=1),
+              "intra_reduce": PhaseStats(seconds=0.002, bytes=1 << 18, calls=1)}
+    counted = {}
+    for running, overlaps in (("diloco", True), ("diloco", False), ("hierarchical", True)):
+        watch = LinkWatch(5, Layout.uniform(2, 2), 1 << 20, Mode.parse(running, 32), NullMetrics())
+        watch.diloco_overlaps = overlaps
+        watch.step(1, phases, 0.1)
+        counted[(running, overlaps)] = watch._sums[:4]
+    assert counted[("diloco", True)] == [0.0, 0.0, 1 << 18, 0.002]
+    assert counted[("diloco", False)] == counted[("hierarchical", True)] == [1 << 20, 0.001, 1 << 18, 0.002]

@@ -230,15 +230,17 @@ def test_in_place_streaming_diloco_goes_on_with_each_nodes_own_weights_and_syncs
 
 @pytest.mark.background  # mostly waits (the lost node's heartbeat): beside the first tiers
 def test_in_place_adaptive_loses_a_node_inside_a_diloco_phase_and_switches_back_on_the_survivors(tmp_path):
-    """3x1 comm=adaptive, DiLoCo from step 4 to 14 (comm.adapt_plan): node 2 SIGKILLed after step 12, inside the
-    DiLoCo phase; the survivors go on in it and leave it at step 14 together, ending identical."""
+    """3x1 comm=adaptive, DiLoCo from step 4 to 14 (comm.adapt_plan), its optimizer node-sharded (comm.shard_optimizer:
+    one worker per node holds its whole shard): node 2 SIGKILLed after step 12, inside the DiLoCo phase; the
+    survivors go on in it and leave it at step 14 together, ending identical."""
     import json
 
     a_node_killed_in_place(1, "adaptive", 2, tmp_path, after=12, steps=24,
                            extra=("comm.adapt_every=0", "comm.adapt_plan=[[4,diloco],[14,hierarchical]]",
-                                  "comm.sync_every=4"))
-    switches = json.loads((tmp_path / "run" / "metrics.json").read_text())["switches"]
-    assert [(s["step"], s["to"]) for s in switches] == [(4, "diloco H=4"), (14, "hierarchical")]
+                                  "comm.sync_every=4", "comm.shard_optimizer=true"))
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [(s["step"], s["to"]) for s in metrics["switches"]] == [(4, "diloco H=4"), (14, "hierarchical")]
+    assert metrics["shard_optimizer"]
 
 
 @pytest.mark.background  # mostly waits (torchrun's start, the lost node's heartbeat)

@@ -220,7 +220,6 @@ BAD = [
     (["comm=flat", "comm.shard_optimizer=true"], "comm.shard_optimizer=true is not available with comm=flat, which has "
                                                   "no intra-node phase"),
     (["comm=hsdp", "comm.shard_optimizer=true"], "with comm=hsdp, which shards the optimizer already"),
-    (["comm=adaptive", "comm.shard_optimizer=true"], "with comm=adaptive, which rebuilds DDP at every switch"),
     (["trainer.compile=true", "comm.bucket_mb=0.5"], "torch's DDPOptimizer splits the compiled graph at DDP's buckets, which must be at "
                                "least DDP's first bucket (1 MiB): comm.bucket_mb=0.5 must be >= 1"),
     (["trainer.compile=true", "comm=hsdp", "comm.bucket_mb=25"], "comm=hsdp runs torch FSDP2, not DDP"),

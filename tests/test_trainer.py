@@ -649,6 +649,25 @@ def test_adaptive_switches_where_its_plan_says_keeps_replicas_identical_and_resu
 
 
 @pytest.mark.multiprocess
+def test_adaptive_with_its_optimizer_sharded_switches_as_the_plan_says_and_resumes_bitwise_inside_diloco():
+    """comm=adaptive with comm.shard_optimizer, the plan above (four switches, two DiLoCo phases): each worker keeps
+    its shard through every switch (the trainer checks every step's replicas: after leaving DiLoCo, each shard
+    averaged with the same local rank's on the other node), each holds half of the state, and the run ends within
+    assert_close of the unsharded one; stopped at 14, inside the second DiLoCo phase (the nodes' shards in the
+    checkpoint), it resumes to the same bits."""
+    root, results = job("2x2")
+    zero, plain = results["adaptive-plan-zero"], results["adaptive-plan"]
+    assert zero["param_checksums_identical"] and zero["shard_optimizer"] and zero["switches"] == plain["switches"]
+    for held, full in zip(zero["optimizer_state_bytes"], plain["optimizer_state_bytes"]):
+        assert abs(held - full / 2) <= 0.02 * full / 2, (held, full)
+    reference, state = model_state(root / "adaptive-plan"), model_state(root / "adaptive-plan-zero")
+    for key, tensor in reference.items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    resumed = results["adaptive-plan-zero-14"]
+    assert resumed["steps_run"] == 6 and resumed["param_checksum"] == zero["param_checksum"]
+
+
+@pytest.mark.multiprocess
 def test_adaptive_streams_its_diloco_mode_in_fp8_and_leaves_it_exactly_and_resumes_bitwise_inside_it():
     """comm=adaptive with DiLoCo's streaming (2 fragments, overlap, fp8) in its DiLoCo mode, 2x2, in after step 4 and
     out after 14 (an exchange in flight lands, every fragment that moved syncs): every step's replicas are checked

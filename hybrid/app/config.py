@@ -182,13 +182,13 @@ REFERENCE_COMMS = ("ddp", "hsdp")
 # "diloco" is hierarchical in time: gradients averaged inside each node every step, nodes meet every
 # comm.sync_every steps (hybrid.core.diloco, hybrid.app.replicas.diloco).
 DILOCO = "diloco"
-# The comms comm.shard_optimizer works with: inside each node (sharded, hierarchical; auto among those two; diloco,
-# whose inner steps average and gather inside the node), or, comm=ddp, torch's own ZeroRedundancyOptimizer over
-# every rank of the job (the reference: its parameter exchange crosses nodes).
-SHARDS_OPTIMIZER = ("sharded", "hierarchical", "auto", DILOCO, "ddp")
 # "adaptive" moves between every-step hierarchical or sharded and DiLoCo as the measured inter-node link changes
 # (hybrid.app.replicas.adaptive, docs/adaptive.md).
 ADAPTIVE = "adaptive"
+# The comms comm.shard_optimizer works with: inside each node (sharded, hierarchical; auto among those two; diloco,
+# whose inner steps average and gather inside the node; adaptive, moving between those), or, comm=ddp, torch's own
+# ZeroRedundancyOptimizer over every rank of the job (the reference: its parameter exchange crosses nodes).
+SHARDS_OPTIMIZER = ("sharded", "hierarchical", "auto", DILOCO, ADAPTIVE, "ddp")
 # The modes comm=adaptive may move between (comm.adapt_modes), and those it moves between unless told: every step
 # in fp32, every step with the 16-bit inter-node hop (+bf16, with error feedback), DiLoCo; most faithful first.
 ADAPTIVE_MODES = ("hierarchical", "sharded", "hierarchical+bf16", "sharded+bf16", DILOCO)
@@ -321,9 +321,7 @@ class CommConfig:
     def _check_shard_optimizer(self) -> None:
         if self.algorithm not in SHARDS_OPTIMIZER:
             why = {"flat": "has no intra-node phase to gather the updated parameters over",
-                   "hsdp": "shards the optimizer already, with the parameters (FSDP2)",
-                   ADAPTIVE: "rebuilds DDP at every switch and, leaving DiLoCo, averages whole optimizer "
-                             "states over every rank, which a node-sharded optimizer's shards do not follow"}[self.algorithm]
+                   "hsdp": "shards the optimizer already, with the parameters (FSDP2)"}[self.algorithm]
             raise ValueError(f"comm.shard_optimizer=true is not available with comm={self.algorithm}, which {why}: "
                              f"use comm={' or comm='.join(SHARDS_OPTIMIZER)}")
         if self.algorithm == "ddp":

@@ -334,6 +334,7 @@ def train_adaptive(cfg: TrainConfig, topology: Topology, device: torch.device, r
                 session.watch(run)  # from here a failure offers this run's state (before: the state it was given)
             if watch is not None:
                 watch.probe = replicas.probe  # the link between DiLoCo's syncs
+                watch.diloco_overlaps = cfg.comm.overlap
             # Its 16-bit modes' residuals, in and out of checkpoints.
             feedback = error_feedback.ErrorFeedback.attach(run.residual_signature, replicas, run.residuals, device)
             return train_and_report(cfg, run, replicas, topology, metrics, counters, run_path, rank, device,

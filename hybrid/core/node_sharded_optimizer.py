@@ -116,6 +116,13 @@ class NodeShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"comm={communicator.name} has no intra-node phase to gather parameters over: "
                              "use sharded or hierarchical")
         self._comm = communicator
+        if self.layout is not None:
+            # Attached again (comm=adaptive's switches build a new DDP and communicator): every communicator cuts
+            # shards by the same rule (chunk_bytes, the node's workers), so the shard stays; it gathers over this one.
+            if self.layout.comm.chunk_bytes != communicator.chunk_bytes:
+                raise ValueError(f"a node-sharded optimizer's shards were cut in pieces of {self.layout.comm.chunk_bytes} "
+                                 f"bytes; this communicator cuts {communicator.chunk_bytes}")
+            self.layout.comm = communicator
         return register_comm_hook(model, communicator, observer=self)
 
     def bucket_ready(self, bucket: dist.GradBucket) -> None:

@@ -75,6 +75,11 @@ ADAPTIVE_UNSTREAMED = ["comm=adaptive", "comm.adapt_every=0", "comm.sync_every=4
                        "comm.adapt_plan=[[4,diloco],[14,hierarchical]]"]
 ADAPTIVE_STREAMED = [*ADAPTIVE_UNSTREAMED, "comm.fragments=2", "comm.overlap=true", "comm.overlap_steps=1",
                      "comm.inter_compression=fp8"]
+# The plan's run with comm.shard_optimizer (SGD with momentum: the shards' numbers are the whole state's), stopped
+# at 14, inside the second DiLoCo phase (each node's workers' shards in the checkpoint), and resumed.
+ADAPTIVE_ZERO = [*ADAPTIVE_PLAN, "comm.shard_optimizer=true"]
+ADAPTIVE_RUNS += [("adaptive-plan-zero", ADAPTIVE_ZERO)] + [
+    ("adaptive-plan-zero-14", [*ADAPTIVE_ZERO, extra]) for extra in ("trainer.stop_after=14", "trainer.resume=true")]
 ADAPTIVE_RUNS += [("adaptive-streamed", ADAPTIVE_STREAMED), ("adaptive-unstreamed", ADAPTIVE_UNSTREAMED)] + [
     ("adaptive-streamed-11", [*ADAPTIVE_STREAMED, extra]) for extra in ("trainer.stop_after=11", "trainer.resume=true")]
 ZERO = ["comm=sharded", "comm.shard_optimizer=true"]

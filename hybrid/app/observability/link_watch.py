@@ -66,6 +66,9 @@ class LinkWatch:
         self.inter, self.intra = LinkEstimate(min_bytes=MIN_BYTES), LinkEstimate(min_bytes=MIN_BYTES)
         # The estimate already waits for a second sample before it follows a change: one choice is enough here.
         self.chooser = ModeChooser(list(self.candidates), current, slack=slack, patience=1)
+        # DiLoCo's exchanges overlapped with its inner steps (comm.overlap): their counted seconds are the waits left
+        # after the overlap, not the link's, so under DiLoCo the probe alone measures the link.
+        self.diloco_overlaps = False
         self.running = current
         self.advice: Mode | None = None
         self.history: list[dict[str, Any]] = []
@@ -82,7 +85,8 @@ class LinkWatch:
         """Account step ``done`` (``times``: its compute and the phases' exposed seconds, where recorded); at
         every ``every``-th, estimate and advise (collective)."""
         sums = self._sums
-        for i, names in ((0, INTER), (2, INTRA)):
+        hidden = self.diloco_overlaps and self.running.algorithm == "diloco"
+        for i, names in ((0, () if hidden else INTER), (2, INTRA)):
             sums[i] += sum(phases[n].bytes for n in names if n in phases)
             sums[i + 1] += sum(phases[n].seconds for n in names if n in phases)
         sums[4] += step_s

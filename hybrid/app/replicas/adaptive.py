@@ -43,7 +43,8 @@ from hybrid.app.replicas import diloco
 from hybrid.app.replicas.base import PlainState, RankReplica
 from hybrid.app.state.in_memory import HELD_OUTER_KEY
 from hybrid.core.adaptive import Mode, ModePlan
-from hybrid.core.comm import CommGroups, InterCompressor, PhaseCounters, make_communicator, register_comm_hook, settle_buckets
+from hybrid.core.comm import CommGroups, InterCompressor, NodeCommunicator, PhaseCounters, make_communicator, register_comm_hook, settle_buckets
+from hybrid.core.node_sharded_optimizer import NodeShardedOptimizer
 from hybrid.core.topology import Topology
 
 __all__ = ["CHECKPOINT_KEY", "GROUP_KINDS", "AdaptiveReplica", "AdaptiveState", "adaptive_modes", "streamable",
@@ -97,6 +98,16 @@ class AdaptiveReplica:
         self._inner: RankReplica | None = None
         self._hook: Any = None
         self.outer: Any = None
+        # comm.shard_optimizer: the optimizer's shards follow every DDP the switches build (each mode's communicator
+        # in the every-step modes; in DiLoCo, the node's own, over a node group of its own as comm=diloco has it).
+        self._node_groups: CommGroups | None = None
+        if cfg.comm.shard_optimizer:
+            if not topology.is_uniform:
+                raise ValueError(f"comm=adaptive with comm.shard_optimizer=true needs nodes of equal size, these have "
+                                 f"{list(topology.node_sizes)} workers: leaving DiLoCo averages each worker's shard "
+                                 "of the inner optimizer with the same local rank's on every node")
+            self._node_groups = CommGroups.build(topology, cfg.comm.intra_backend, cfg.comm.inter_backend,
+                                                 cfg.comm.timeout_s, kinds=("intra",))
         saved = run.resumed_extra.get(CHECKPOINT_KEY)
         self.mode = self.modes[0]
         if saved is not None:
@@ -140,6 +151,9 @@ class AdaptiveReplica:
     def close(self) -> None:
         # The outer loop stays referenced: recovery in place reads its state after the replica closed.
         self._teardown(keep_outer=True)
+        if self._node_groups is not None:
+            self._node_groups.destroy()
+            self._node_groups = None
 
     def compressors(self) -> dict[str, InterCompressor]:
         """The 16-bit modes' compressors, by mode name, whether running or not (their residuals go in every
@@ -201,7 +215,7 @@ class AdaptiveReplica:
     def _leave_diloco(self) -> None:
         self.outer.finish(self.done)  # every rank now holds the same weights
         self._kept = copy.deepcopy(self.outer.outer.state_dict()) if self.outer.outer is not None else None
-        average_optimizer_state(self.run.optimizer, self.device)
+        average_optimizer_state(self.run.optimizer, self.device, self.groups.cross)
 
     def _teardown(self, keep_outer: bool = False) -> None:
         if self._inner is not None:
@@ -229,7 +243,10 @@ class AdaptiveReplica:
             elif resumed is not None:
                 diloco.restore_node(resumed, self.topology.node, run.model, run.optimizer, self.outer)
             ddp = self.wrap(run.model, self.groups.intra)
-            settle_buckets(ddp, None, lambda: batch_loss(ddp, *self.sample, run.loss_fn).backward())
+            if self._node_groups is not None:
+                self._hook = run.optimizer.attach(ddp, NodeCommunicator(self._node_groups, self.counters,
+                                                                        cfg.comm.chunk_bytes))
+            settle_buckets(ddp, self._hook, lambda: batch_loss(ddp, *self.sample, run.loss_fn).backward())
             self._inner = diloco.DilocoReplica(ddp, run.streams[0], self.device, run.loss_fn, self.outer,
                                                self.topology, self.done, cfg.trainer.max_steps, self.log_scalars,
                                                cfg.trainer.precision, self.counters.recorder, cfg.trainer.compile)
@@ -239,7 +256,8 @@ class AdaptiveReplica:
                                          mode.inter_compression, device=self.device)
         if mode.name in self._compressors:
             communicator.compressor = self._compressors[mode.name]  # this mode's residuals, from its last phase
-        self._hook = register_comm_hook(ddp, communicator)
+        self._hook = (run.optimizer.attach(ddp, communicator) if self._node_groups is not None
+                      else register_comm_hook(ddp, communicator))
         settle_buckets(ddp, self._hook, lambda: batch_loss(ddp, *self.sample, run.loss_fn).backward())
         self._inner = RankReplica(ddp, run.streams[0], self.device, run.loss_fn, cfg.trainer.precision,
                                   self.counters.recorder, cfg.trainer.compile)
@@ -261,16 +279,23 @@ class AdaptiveReplica:
         return float(PROBE_BYTES), time.perf_counter() - start
 
 
-def average_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+def average_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device, cross: Any = None) -> None:
     """Every floating-point state tensor (momentum, Adam's moments) averaged over every rank, in one all-reduce:
-    after DiLoCo each node's inner optimizer had its own. Step counts are the same everywhere and stay."""
-    tensors = [v for state in optimizer.state.values() for k, v in sorted(state.items())
+    after DiLoCo each node's inner optimizer had its own. Step counts are the same everywhere and stay. A
+    node-sharded optimizer's shard is averaged over ``cross`` (the workers of its local rank, one per node), which
+    hold the same slices."""
+    sharded = isinstance(optimizer, NodeShardedOptimizer)
+    if sharded and optimizer.inner is None:
+        return  # not stepped yet: nothing held
+    held = optimizer.inner.state if sharded else optimizer.state
+    tensors = [v for state in held.values() for k, v in sorted(state.items())
                if torch.is_tensor(v) and v.is_floating_point() and k != "step" and v.numel()]
-    if not tensors:
+    if not tensors:  # the same on every rank of the group: they hold the same slices
         return
+    group = cross if sharded else None
     flat = torch.cat([t.reshape(-1).to(device, torch.float64) for t in tensors])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
     offset = 0
     with torch.no_grad():
         for t in tensors:
@@ -315,8 +340,9 @@ class AdaptiveState(PlainState):
         return super().collect(model, optimizer)
 
     def extra(self) -> dict[str, Any]:
-        extra = self._diloco.extra() if self._diloco is not None else {}
+        # In DiLoCo only: an every-step checkpoint of a node-sharded optimizer does not collect through this state.
+        extra = self._diloco.extra() if self._diloco is not None and self.in_diloco else {}
         return {**extra, CHECKPOINT_KEY: self.replica.state_dict()}
 
     def deferred(self) -> Any:
-        return self._diloco.deferred() if self._diloco is not None else None
+        return self._diloco.deferred() if self._diloco is not None and self.in_diloco else None
