@@ -35,6 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybrid.app.components.models import MLP
+from hybrid.runtime.launch import worker_threads
+
 VARIANTS = ("compute", "gather", "serial", "overlapped", "behind-both")
 
 
@@ -44,13 +47,6 @@ def _busy_cores_s() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def _model(args: argparse.Namespace) -> nn.Module:
-    layers: list[nn.Module] = [nn.Linear(args.features, args.width), nn.ReLU()]
-    for _ in range(args.depth - 1):
-        layers += [nn.Linear(args.width, args.width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(args.width, 10))
-
-
 def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -58,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     nodes = [list(range(n * args.workers, (n + 1) * args.workers)) for n in range(args.nodes)]
     groups = [dist.new_group(ranks) for ranks in nodes]
     node = groups[rank // args.workers]
-    model = _model(args)
+    model = MLP(args.features, args.width, args.depth, 10)  # the trainer's model=mlp
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     # The trainer's gather (Communicator.all_gather_shards_): 4 MiB pipeline pieces, each cut into one range per
     # worker, each range broadcast by the worker that owns it.
@@ -152,13 +148,11 @@ def main() -> None:
     if args.worker:
         return worker(args)
     world = args.nodes * args.workers
-    # torch's threads per worker as the trainer sets them: the machine's cores shared by its workers.
-    threads = str(max(1, (os.cpu_count() or 1) // world))
     subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
                     __file__, "--worker", *(f"--{k}={getattr(args, k)}" for k in
                                             ("nodes", "workers", "width", "depth", "features", "batch", "iters",
                                              "rounds", "collective"))],
-                   check=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": threads})
+                   check=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": str(worker_threads(world))})
 
 
 if __name__ == "__main__":
