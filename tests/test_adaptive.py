@@ -5,9 +5,11 @@ the testbed (tests/test_testbed.py)."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
+import torch
 
 from hybrid.core.adaptive import LinkEstimate, Mode, ModeChooser, ModePlan, diloco_sync_every, expected_step_s, with_link
 from hybrid.core.costmodel import Level, Model, predict
@@ -169,6 +171,33 @@ def test_under_an_overlapped_diloco_the_link_watch_leaves_the_exchanges_counted_
         watch = LinkWatch(5, Layout.uniform(2, 2), 1 << 20, Mode.parse(running, 32), NullMetrics())
         watch.diloco_overlaps = overlaps
         watch.step(1, phases, 0.1)
-        counted[(running, overlaps)] = watch._sums[:4]
-    assert counted[("diloco", True)] == [0.0, 0.0, 1 << 18, 0.002]
+        counted[(running, overlaps)] = [watch._sums[0], watch._inter_steps[0], *watch._sums[2:4]]
+    assert counted[("diloco", True)] == [0.0, math.inf, 1 << 18, 0.002]
     assert counted[("diloco", False)] == counted[("hierarchical", True)] == [1 << 20, 0.001, 1 << 18, 0.002]
+
+
+def test_the_link_watch_times_the_link_by_each_steps_last_arrival_not_by_a_rank_that_waited(monkeypatch):
+    """Two leaders, two steps: at the first the other leader's batch came late, so this one's all-reduce counted
+    0.2 s of waiting; at the second it was the other way round. Each step's least seconds (its last arrival's) are
+    the link's: 2 MiB per NIC in 0.021 s is 799 Mbit/s, where the slowest rank's sums (0.5 s) read 34."""
+    from hybrid.app.observability.link_watch import LinkWatch
+    from hybrid.app.observability.metrics import NullMetrics
+    from hybrid.core.comm.counters import PhaseStats
+
+    def phases(seconds: float) -> dict[str, PhaseStats]:
+        return {"inter_allreduce": PhaseStats(seconds=seconds, bytes=1 << 20, calls=1)}
+
+    watches = [LinkWatch(2, Layout.uniform(2, 1), 1 << 20, Mode.parse("hierarchical"), NullMetrics()) for _ in range(2)]
+    for watch, seconds in zip(watches, (0.200, 0.010)):
+        watch.step(1, phases(seconds), 0.3)
+    handed: list[torch.Tensor] = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None, **_: handed.append(t.clone()))
+    watches[1].step(2, phases(0.300), 0.3)  # the estimate's collectives: what the other leader hands in, kept
+    theirs = iter(handed)
+
+    def reduce_with_theirs(t: torch.Tensor, op: object = None, **_: object) -> None:
+        other = next(theirs)
+        t.copy_(torch.maximum(t, other) if op == torch.distributed.ReduceOp.MAX else t + other)
+    monkeypatch.setattr(torch.distributed, "all_reduce", reduce_with_theirs)
+    watches[0].step(2, phases(0.011), 0.3)
+    assert watches[0].history[-1]["interval_mbit"] == pytest.approx(2 * 8 * (1 << 20) / 0.021 / 1e6, rel=1e-3)

@@ -4,7 +4,9 @@ Every ``adapt_every`` steps each rank hands in what it measured since the last t
 the inter-node phase and of the node's own phases, its steps' seconds, their compute and the inter-node
 seconds backward did not hide. They are all-reduced (the bytes that crossed each node's link summed over its
 workers, the seconds the slowest rank's: it sets the step's pace), so every rank reaches the same estimate and
-the same advice at the same step, which is what a switch between modes needs. The link's rate is a window's
+the same advice at the same step, which is what a switch between modes needs. The link's own seconds are each
+step's least among the ranks that crossed it: a collective's first arrival counts the wait for the last one
+too (a peer's slow batch read a 1000 Mbit/s link as 37), the last arrival's seconds are the link's. The link's rate is a window's
 median (:class:`hybrid.core.adaptive.LinkEstimate`); no advice is given while a sample far off it waits for a
 second opinion, nor in the interval after a switch (it holds the switch itself). Each mode's step is priced
 from the running mode's measured step and what the cost model says differs at the measured rate
@@ -24,6 +26,7 @@ probes it (``probe``: a timed all-reduce among the node leaders).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -44,7 +47,8 @@ PREFERENCE = (Mode("hierarchical"), Mode("sharded"), Mode("hierarchical", "bf16"
 INTER = ("inter_allreduce",)
 MIN_BYTES = 64 * 1024  # an interval's bytes per NIC below this time the latency more than the rate
 INTRA = ("intra_reduce", "intra_broadcast")
-# What each rank adds up between two estimates (all-reduced: inter bytes summed, the rest the slowest rank's).
+# What each rank adds up between two estimates (all-reduced: inter bytes summed, the rest the slowest rank's;
+# the inter-node and exposed seconds are kept per step apart, each step's least taken).
 SUMS = ("inter_bytes", "inter_s", "intra_bytes", "intra_s", "step_s", "steps", "compute_s", "inter_exposed_s")
 
 
@@ -75,6 +79,8 @@ class LinkWatch:
         self.hidden_s = 0.0  # the inter-node seconds per step backward hid, when an every-step mode last ran
         self._skip = False  # the interval after a switch holds the switch itself: not a measurement of the mode
         self._sums = [0.0] * len(SUMS)
+        # Each step's inter-node seconds, then each step's exposed ones; inf where the rank crossed nothing.
+        self._inter_steps = [math.inf] * (2 * every)
 
     @property
     def nics_used(self) -> int:
@@ -86,14 +92,18 @@ class LinkWatch:
         every ``every``-th, estimate and advise (collective)."""
         sums = self._sums
         hidden = self.diloco_overlaps and self.running.algorithm == "diloco"
-        for i, names in ((0, () if hidden else INTER), (2, INTRA)):
-            sums[i] += sum(phases[n].bytes for n in names if n in phases)
-            sums[i + 1] += sum(phases[n].seconds for n in names if n in phases)
+        crossed = sum(phases[n].bytes for n in INTER if n in phases) if not hidden else 0
+        sums[0] += crossed
+        at = (done - 1) % self.every
+        self._inter_steps[at] = sum(phases[n].seconds for n in INTER if n in phases) if crossed else math.inf
+        exposed = sum(times.exposed.get(n, 0.0) for n in INTER) if times is not None else 0.0
+        self._inter_steps[self.every + at] = exposed if crossed else math.inf
+        sums[2] += sum(phases[n].bytes for n in INTRA if n in phases)
+        sums[3] += sum(phases[n].seconds for n in INTRA if n in phases)
         sums[4] += step_s
         sums[5] += 1
         if times is not None:
             sums[6] += times.compute
-            sums[7] += sum(times.exposed.get(n, 0.0) for n in INTER)
         if done % self.every == 0:
             if self.probe is not None and self.running.algorithm == "diloco":
                 nbytes, seconds = self.probe()  # the link between DiLoCo's syncs; its time counts as the step's
@@ -114,6 +124,7 @@ class LinkWatch:
         """What a resumed run needs to choose as the straight one does: samples, sums, the chooser, the advice."""
         return {"inter": [list(self.inter.samples), self.inter.held],
                 "intra": [list(self.intra.samples), self.intra.held], "sums": list(self._sums),
+                "inter_steps": list(self._inter_steps),
                 "chooser": self.chooser.state_dict(), "running": [self.running.name, self.running.sync_every],
                 "advice": [self.advice.name, self.advice.sync_every] if self.advice else None,
                 "history": list(self.history), "hidden_s": self.hidden_s, "skip": self._skip}
@@ -123,18 +134,25 @@ class LinkWatch:
             estimate.samples.extend(samples)
             estimate.held = held
         self._sums = [float(v) for v in state["sums"]]
+        steps = state.get("inter_steps")  # absent from an older hybrid's: its interval is not measured
+        self._inter_steps = [float(v) for v in steps] if steps is not None else [math.inf] * (2 * self.every)
         self.chooser.load_state_dict(state["chooser"])
         self.running = Mode.parse(*state["running"])
         self.advice = Mode.parse(*state["advice"]) if state["advice"] else None
         self.history = list(state["history"])
-        self.hidden_s, self._skip = float(state["hidden_s"]), bool(state["skip"])
+        self.hidden_s, self._skip = float(state["hidden_s"]), bool(state["skip"]) or steps is None
 
     def _estimate(self, done: int) -> None:
-        sums = torch.tensor(self._sums, dtype=torch.float64)
-        crossed = sums[:1].clone()
-        dist.all_reduce(sums, op=dist.ReduceOp.MAX)  # the same figures on every rank
+        # One MAX for the slowest rank's sums and, negated, each step's least inter-node and exposed seconds.
+        both = torch.tensor(self._sums + [-s for s in self._inter_steps], dtype=torch.float64)
+        crossed = both[:1].clone()
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the same figures on every rank
         dist.all_reduce(crossed)  # what the node's NIC carried: the leader's, or with sharded every worker's share
-        self._sums = [0.0] * len(SUMS)
+        sums, least = both[:len(SUMS)], -both[len(SUMS):]
+        least[~torch.isfinite(least)] = 0.0  # steps that crossed nothing (DiLoCo's inner steps)
+        sums[1] += least[:self.every].sum()  # beside a probe's seconds (the slowest leader's)
+        sums[7] += least[self.every:].sum()
+        self._sums, self._inter_steps = [0.0] * len(SUMS), [math.inf] * (2 * self.every)
         inter_b = float(crossed) / self.layout.nnodes / self.nics_used  # per NIC: the cost model's inter level
         _, inter_s, intra_b, intra_s, step_s, steps, compute_s, exposed_s = sums.tolist()
         measured = Interval(step_s / steps, compute_s / steps, inter_s / steps, exposed_s / steps)
