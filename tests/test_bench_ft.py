@@ -9,33 +9,65 @@ installs it); elsewhere skipped with the reason.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+
 import pytest
 
 from hybrid.runtime.testbed import testbed_available
 from hybrid.tools import bench_ft
-from hybrid.tools.bench_ft import HEALTHY, FtBenchOptions, run_torchft
+from hybrid.tools.bench_ft import FtBenchOptions
+
+from helpers import background
+from helpers.processes import job_env
 
 REASON = testbed_available() or bench_ft.torchft_missing()
 needs_testbed_and_torchft = pytest.mark.skipif(REASON is not None, reason=f"cannot run torchft's side: {REASON}")
+# 15 Mbit/s: each step's all-reduce waits about a second on the link, so the survivors cannot finish the 30 steps
+# before the returning group's first one, however busy the machine is (it needs about 15 s).
+OPTS = FtBenchOptions(recovery_steps=30, kill_after=2, link_mbit=15.0, timeout_s=400)
+# The bench's own run_torchft, in a process of its own: the testbed is that process's, not this session's (which
+# tests/test_testbed.py looks for), and the job, mostly waiting on the slow link, runs beside the lane.
+_ROW = """import json, sys
+from hybrid.tools import bench_ft
+spec = next(s for s in bench_ft.HEALTHY if s.system == "torchft" and s.ft_mode == "ddp")
+opts = bench_ft.FtBenchOptions(**json.loads(sys.argv[1]))
+print("ROW", json.dumps(bench_ft.run_torchft(spec, opts, "rejoin", Path(sys.argv[2]))))
+"""
+TEST = "test_bench_ft.py::test_torchfts_groups_go_on_without_a_lost_one_and_heal_it_from_a_peer_when_it_returns"
 
 
-@pytest.mark.testbed  # in the main lane, not the background one: it composes Hydra's config in this process and
-@needs_testbed_and_torchft  # holds a testbed of this process, which tests/test_testbed.py looks for
-def test_torchfts_groups_go_on_without_a_lost_one_and_heal_it_from_a_peer_when_it_returns(tmp_path):
+def _rejoin_row() -> dict:
+    where = tempfile.mkdtemp(prefix="hybrid-bench-ft-")
+    run = background.track(subprocess.Popen(
+        [sys.executable, "-c", _ROW, json.dumps(dataclasses.asdict(OPTS)), where], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True, env=job_env()))
+    out, _ = run.communicate(timeout=OPTS.timeout_s + 60)
+    rows = [line.removeprefix("ROW ") for line in out.splitlines() if line.startswith("ROW ")]
+    assert run.returncode == 0 and rows, out[-4000:]
+    return json.loads(rows[-1])
+
+
+if REASON is None:
+    background.declare("torchft rejoin", lambda test_id: test_id.endswith(TEST), _rejoin_row, beside=True)
+
+
+@pytest.mark.testbed
+@needs_testbed_and_torchft
+def test_torchfts_groups_go_on_without_a_lost_one_and_heal_it_from_a_peer_when_it_returns():
     import torch
 
     from hybrid.app.checks import compose_train_config
     from hybrid.app.setup import build_model
 
-    # 15 Mbit/s: each step's all-reduce waits about a second on the link, so the survivors cannot finish the 30
-    # steps before the returning group's first one, however busy the machine is (it needs about 15 s).
-    opts = FtBenchOptions(recovery_steps=30, kill_after=2, link_mbit=15.0, timeout_s=400)
-    spec = next(s for s in HEALTHY if s.system == "torchft" and s.ft_mode == "ddp")
-    row = run_torchft(spec, opts, "rejoin", tmp_path)
+    row = background.result("torchft rejoin")
     assert row["identical"], row
-    assert row["steps"] == opts.recovery_steps, row
+    assert row["steps"] == OPTS.recovery_steps, row
     assert row["steps_lost"] == 0, row  # torchft redoes the step the loss broke, as hybrid does
-    assert row["torchft_quorums"] >= opts.recovery_steps, row  # a quorum per step: torchft really ran
+    assert row["torchft_quorums"] >= OPTS.recovery_steps, row  # a quorum per step: torchft really ran
     model = build_model(compose_train_config(list(bench_ft.TASK)).model, torch.device("cpu"))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert row["received_bytes"] >= 3 * weights, row  # the weights and AdamW's two moments, from a live peer

@@ -9,6 +9,10 @@ core then and wait while others compute. A test reads its job with :func:`result
 runs it at once if it was not started: ``pytest tests/test_examples.py -k hf``). A test marked
 ``background`` is such a job itself (tests/conftest.py runs its function in this thread).
 
+A job declared ``beside=True`` does not queue in the lane: it starts at once, in a thread of its own. That is for a
+job that only runs processes of its own and spends most of its time waiting on them (torchft's groups on a slow
+testbed link: about 70 s at a third of a core), which would otherwise hold the lane or the main one that long.
+
 Jobs must not depend on the tests around them: their own temporary folders, ports outside the ones tests
 pick (torchrun's documented 29400 is below the kernel's ephemeral range), a session of their own.
 """
@@ -24,27 +28,36 @@ from typing import Any, Callable
 
 __all__ = ["declare", "result", "start", "started", "stop", "track", "wait_all"]
 
-_DECLARED: dict[str, tuple[Callable[[str], bool], Callable[[], Any]]] = {}  # job name -> (wanted by test id?, job)
+_DECLARED: dict[str, tuple[Callable[[str], bool], Callable[[], Any], bool]] = {}  # name -> (wanted?, job, beside?)
 _STARTED: dict[str, Future] = {}
 _PROCESSES: list[subprocess.Popen] = []
 _LOCK = threading.Lock()
 _EXECUTOR: ThreadPoolExecutor | None = None
+_BESIDE: list[ThreadPoolExecutor] = []  # one thread per job declared beside the lane
 
 
-def declare(name: str, wanted_by: Callable[[str], bool], job: Callable[[], Any]) -> None:
-    """Make ``job`` startable in the background under ``name``, for the tests whose ids ``wanted_by`` accepts."""
-    _DECLARED[name] = (wanted_by, job)
+def declare(name: str, wanted_by: Callable[[str], bool], job: Callable[[], Any], beside: bool = False) -> None:
+    """Make ``job`` startable in the background under ``name``, for the tests whose ids ``wanted_by`` accepts;
+    ``beside``: in a thread of its own instead of the lane (a job of its own processes that mostly waits)."""
+    _DECLARED[name] = (wanted_by, job, beside)
 
 
 def start(test_ids: list[str]) -> list[str]:
-    """Start, one after the other in one thread, the jobs the tests ``test_ids`` want; their names."""
+    """Start the jobs the tests ``test_ids`` want, one after the other in one thread and those declared beside it
+    at once; their names."""
     global _EXECUTOR
-    names = [name for name, (wanted_by, _) in _DECLARED.items()
+    names = [name for name, (wanted_by, _, _) in _DECLARED.items()
              if name not in _STARTED and any(wanted_by(test_id) for test_id in test_ids)]
-    if names and _EXECUTOR is None:
-        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-job")
     for name in names:
-        _STARTED[name] = _EXECUTOR.submit(_DECLARED[name][1])
+        _, job, beside = _DECLARED[name]
+        if beside:
+            _BESIDE.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="beside-job"))
+            executor = _BESIDE[-1]
+        else:
+            if _EXECUTOR is None:
+                _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-job")
+            executor = _EXECUTOR
+        _STARTED[name] = executor.submit(job)
     return names
 
 
@@ -77,8 +90,9 @@ def track(process: subprocess.Popen) -> subprocess.Popen:
 
 def stop() -> None:
     """End of the session: drop what has not started, kill the process groups of what is still running."""
-    if _EXECUTOR is not None:
-        _EXECUTOR.shutdown(wait=False, cancel_futures=True)
+    for executor in [_EXECUTOR, *_BESIDE]:
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
     with _LOCK:
         for process in _PROCESSES:
             if process.poll() is None:
