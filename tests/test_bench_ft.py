@@ -32,6 +32,7 @@ OPTS = FtBenchOptions(recovery_steps=30, kill_after=2, link_mbit=15.0, timeout_s
 # The bench's own run_torchft, in a process of its own: the testbed is that process's, not this session's (which
 # tests/test_testbed.py looks for), and the job, mostly waiting on the slow link, runs beside the lane.
 _ROW = """import json, sys
+from pathlib import Path
 from hybrid.tools import bench_ft
 spec = next(s for s in bench_ft.HEALTHY if s.system == "torchft" and s.ft_mode == "ddp")
 opts = bench_ft.FtBenchOptions(**json.loads(sys.argv[1]))
