@@ -92,7 +92,8 @@ def _declare_test(item: pytest.Item) -> None:
         else:
             raise pytest.UsageError(f"{item.nodeid} is marked background but asks for fixture {name!r}: "
                                     "background tests take only tmp_path and their parameters")
-    background.declare(item.nodeid, lambda test_id: test_id == item.nodeid, lambda: item.obj(**kwargs))
+    beside = bool(item.get_closest_marker("background").kwargs.get("beside", False))  # the second lane
+    background.declare(item.nodeid, lambda test_id: test_id == item.nodeid, lambda: item.obj(**kwargs), beside)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -9,9 +9,10 @@ core then and wait while others compute. A test reads its job with :func:`result
 runs it at once if it was not started: ``pytest tests/test_examples.py -k hf``). A test marked
 ``background`` is such a job itself (tests/conftest.py runs its function in this thread).
 
-A job declared ``beside=True`` does not queue in the lane: it starts at once, in a thread of its own. That is for a
-job that only runs processes of its own and spends most of its time waiting on them (torchft's groups on a slow
-testbed link: about 70 s at a third of a core), which would otherwise hold the lane or the main one that long.
+A job declared ``beside=True`` queues in a second lane instead, a thread of its own that also starts at the session's
+start. That is for a job that only runs processes of its own and spends most of its time waiting on them (torchft's
+groups on a slow testbed link, 70 s at a third of a core; a node killed and started again on a testbed whose nodes
+have a quarter of a CPU each), which would otherwise hold the first lane that long while the machine has CPU to spare.
 
 Jobs must not depend on the tests around them: their own temporary folders, ports outside the ones tests
 pick (torchrun's documented 29400 is below the kernel's ephemeral range), a session of their own.
@@ -33,26 +34,26 @@ _STARTED: dict[str, Future] = {}
 _PROCESSES: list[subprocess.Popen] = []
 _LOCK = threading.Lock()
 _EXECUTOR: ThreadPoolExecutor | None = None
-_BESIDE: list[ThreadPoolExecutor] = []  # one thread per job declared beside the lane
+_BESIDE: ThreadPoolExecutor | None = None  # the second lane: jobs that mostly wait on processes of their own
 
 
 def declare(name: str, wanted_by: Callable[[str], bool], job: Callable[[], Any], beside: bool = False) -> None:
     """Make ``job`` startable in the background under ``name``, for the tests whose ids ``wanted_by`` accepts;
-    ``beside``: in a thread of its own instead of the lane (a job of its own processes that mostly waits)."""
+    ``beside``: in the second lane (a job of its own processes that mostly waits)."""
     _DECLARED[name] = (wanted_by, job, beside)
 
 
 def start(test_ids: list[str]) -> list[str]:
-    """Start the jobs the tests ``test_ids`` want, one after the other in one thread and those declared beside it
-    at once; their names."""
-    global _EXECUTOR
+    """Start the jobs the tests ``test_ids`` want, one after the other in each lane; their names."""
+    global _EXECUTOR, _BESIDE
     names = [name for name, (wanted_by, _, _) in _DECLARED.items()
              if name not in _STARTED and any(wanted_by(test_id) for test_id in test_ids)]
     for name in names:
         _, job, beside = _DECLARED[name]
         if beside:
-            _BESIDE.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="beside-job"))
-            executor = _BESIDE[-1]
+            if _BESIDE is None:
+                _BESIDE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="beside-job")
+            executor = _BESIDE
         else:
             if _EXECUTOR is None:
                 _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-job")
@@ -90,7 +91,7 @@ def track(process: subprocess.Popen) -> subprocess.Popen:
 
 def stop() -> None:
     """End of the session: drop what has not started, kill the process groups of what is still running."""
-    for executor in [_EXECUTOR, *_BESIDE]:
+    for executor in (_EXECUTOR, _BESIDE):
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
     with _LOCK:
