@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -92,8 +93,7 @@ def _declare_test(item: pytest.Item) -> None:
         else:
             raise pytest.UsageError(f"{item.nodeid} is marked background but asks for fixture {name!r}: "
                                     "background tests take only tmp_path and their parameters")
-    beside = bool(item.get_closest_marker("background").kwargs.get("beside", False))  # the second lane
-    background.declare(item.nodeid, lambda test_id: test_id == item.nodeid, lambda: item.obj(**kwargs), beside)
+    background.declare(item.nodeid, lambda test_id: test_id == item.nodeid, lambda: item.obj(**kwargs))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -106,6 +106,20 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_FirstTiersThenBackground(), "hybrid-first-tiers")
+
+
+_SESSION_START = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Where each background lane ended beside the session's end: the suite is CPU-bound on 2 cores, so a lane that
+    ends long before the main one (or after it) says which way tests should move."""
+    ended = background.lanes_ended()
+    if ended:
+        now = time.monotonic() - _SESSION_START
+        terminalreporter.write_line("background lanes: " + ", ".join(
+            f"the {lane} ended at {at - _SESSION_START:.0f} s" for lane, at in sorted(ended.items()))
+            + f" of the session's {now:.0f} s")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

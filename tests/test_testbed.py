@@ -479,7 +479,7 @@ STRAGGLER_RUN = ["cluster.testbed.enabled=true", "cluster.testbed.link_mbit=1000
     ("sharded", ("comm.shard_optimizer=true",), 2, 60),  # ZeRO inside the node: the optimizer's shards
     ("hsdp", (), 0, 40),  # torch FSDP2: the parameters' shards too, and node 0 (rank 0's) lost and back
 ], ids=["zero", "hsdp"])
-@pytest.mark.background(beside=True)  # mostly waits (the lost node's heartbeat, its agent's start again, the quota)
+@pytest.mark.background  # mostly waits (the lost node's heartbeat, its agent's start again): beside the first tiers
 def test_in_place_sharded_state_loses_no_shard_and_a_returning_node_gets_them_from_its_local_ranks(comm, extra, lost,
                                                                                                    steps, tmp_path):
     """3x2, AdamW, node ``lost`` SIGKILLed after step 12: the survivors go on with their own shards (every node holds

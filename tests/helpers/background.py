@@ -11,8 +11,10 @@ runs it at once if it was not started: ``pytest tests/test_examples.py -k hf``).
 
 A job declared ``beside=True`` queues in a second lane instead, a thread of its own that also starts at the session's
 start. That is for a job that only runs processes of its own and spends most of its time waiting on them (torchft's
-groups on a slow testbed link, 70 s at a third of a core; a node killed and started again on a testbed whose nodes
-have a quarter of a CPU each), which would otherwise hold the first lane that long while the machine has CPU to spare.
+groups on a slow testbed link, 70 s at a third of a core), which would otherwise hold a lane that long while the
+machine has CPU to spare. Not for a job that races its own processes' start against a number of steps (a node killed
+and started again must join before the end): at the session's start every core is taken, and such a node joined
+after the last of 60 steps where, later in the first lane, it joins by step 33 with two CPU burners beside.
 
 Jobs must not depend on the tests around them: their own temporary folders, ports outside the ones tests
 pick (torchrun's documented 29400 is below the kernel's ephemeral range), a session of their own.
@@ -24,10 +26,11 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-__all__ = ["declare", "result", "start", "started", "stop", "track", "wait_all"]
+__all__ = ["declare", "lanes_ended", "result", "start", "started", "stop", "track", "wait_all"]
 
 _DECLARED: dict[str, tuple[Callable[[str], bool], Callable[[], Any], bool]] = {}  # name -> (wanted?, job, beside?)
 _STARTED: dict[str, Future] = {}
@@ -58,8 +61,23 @@ def start(test_ids: list[str]) -> list[str]:
             if _EXECUTOR is None:
                 _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-job")
             executor = _EXECUTOR
-        _STARTED[name] = executor.submit(job)
+        _STARTED[name] = executor.submit(_timed, "second" if beside else "first", job)
     return names
+
+
+_ENDED: dict[str, float] = {}  # lane -> when its last job so far ended (time.monotonic)
+
+
+def _timed(lane: str, job: Callable[[], Any]) -> Any:
+    try:
+        return job()
+    finally:
+        _ENDED[lane] = time.monotonic()
+
+
+def lanes_ended() -> dict[str, float]:
+    """When each lane's last job ended (time.monotonic): the lanes' balance against the main one, for the log."""
+    return dict(_ENDED)
 
 
 def result(name: str, timeout_s: float = 600) -> Any:
