@@ -4,15 +4,15 @@ Every ``adapt_every`` steps each rank hands in what it measured since the last t
 the inter-node phase and of the node's own phases, its steps' seconds, their compute and the inter-node
 seconds backward did not hide. They are all-reduced (the bytes that crossed each node's link summed over its
 workers, the seconds the slowest rank's: it sets the step's pace), so every rank reaches the same estimate and
-the same advice at the same step, which is what a switch between modes needs. The link's own seconds are each
-step's least among the ranks that crossed it: a collective's first arrival counts the wait for the last one
-too (a peer's slow batch read a 1000 Mbit/s link as 37), the last arrival's seconds are the link's. The link's rate is a window's
-median (:class:`hybrid.core.adaptive.LinkEstimate`); no advice is given while a sample far off it waits for a
-second opinion, nor in the interval after a switch (it holds the switch itself). Each mode's step is priced
-from the running mode's measured step and what the cost model says differs at the measured rate
-(:func:`hybrid.core.adaptive.measured_step_s`), and :class:`hybrid.core.adaptive.ModeChooser` advises the most
-faithful mode expected within ``slack`` of the fastest (``comm.adapt_slack``: a less faithful mode only where
-it is twice as fast, by default).
+the same advice at the same step, which is what a switch between modes needs. The link's own seconds (and the
+exposed ones) are each step's least among the ranks that crossed it: a collective's first arrival counts its
+wait for the last one too (a peer's slow batch read a 1000 Mbit/s link as 37 Mbit/s), the last arrival's
+seconds are the link's. The link's rate is a window's median (:class:`hybrid.core.adaptive.LinkEstimate`); no
+advice is given while a sample far off it waits for a second opinion, nor in the interval after a switch (it
+holds the switch itself). Each mode's step is priced from the running mode's measured step and what the cost
+model says differs at the measured rate (:func:`hybrid.core.adaptive.measured_step_s`), and
+:class:`hybrid.core.adaptive.ModeChooser` advises the most faithful mode expected within ``slack`` of the fastest
+(``comm.adapt_slack``: a less faithful mode only where it is twice as fast, by default).
 
 Logged: TensorBoard ``adaptive/link_mbit`` (the inter-node rate), ``adaptive/compute_s`` (a step's data, forward
 and backward), ``adaptive/inter_exposed_s``, ``adaptive/expected_s/<mode>``, ``adaptive/advice`` and
