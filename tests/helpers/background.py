@@ -36,8 +36,8 @@ _DECLARED: dict[str, tuple[Callable[[str], bool], Callable[[], Any], bool]] = {}
 _STARTED: dict[str, Future] = {}
 _PROCESSES: list[subprocess.Popen] = []
 _LOCK = threading.Lock()
-_EXECUTOR: ThreadPoolExecutor | None = None
-_BESIDE: ThreadPoolExecutor | None = None  # the second lane: jobs that mostly wait on processes of their own
+# "first", and "second" for jobs that mostly wait on processes of their own: one thread each, made when first used.
+_LANES: dict[str, ThreadPoolExecutor] = {}
 
 
 def declare(name: str, wanted_by: Callable[[str], bool], job: Callable[[], Any], beside: bool = False) -> None:
@@ -48,20 +48,14 @@ def declare(name: str, wanted_by: Callable[[str], bool], job: Callable[[], Any],
 
 def start(test_ids: list[str]) -> list[str]:
     """Start the jobs the tests ``test_ids`` want, one after the other in each lane; their names."""
-    global _EXECUTOR, _BESIDE
     names = [name for name, (wanted_by, _, _) in _DECLARED.items()
              if name not in _STARTED and any(wanted_by(test_id) for test_id in test_ids)]
     for name in names:
         _, job, beside = _DECLARED[name]
-        if beside:
-            if _BESIDE is None:
-                _BESIDE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="beside-job")
-            executor = _BESIDE
-        else:
-            if _EXECUTOR is None:
-                _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-job")
-            executor = _EXECUTOR
-        _STARTED[name] = executor.submit(_timed, "second" if beside else "first", job)
+        lane = "second" if beside else "first"
+        if lane not in _LANES:
+            _LANES[lane] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"background-{lane}-lane")
+        _STARTED[name] = _LANES[lane].submit(_timed, lane, job)
     return names
 
 
@@ -109,9 +103,8 @@ def track(process: subprocess.Popen) -> subprocess.Popen:
 
 def stop() -> None:
     """End of the session: drop what has not started, kill the process groups of what is still running."""
-    for executor in (_EXECUTOR, _BESIDE):
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+    for executor in _LANES.values():
+        executor.shutdown(wait=False, cancel_futures=True)
     with _LOCK:
         for process in _PROCESSES:
             if process.poll() is None:

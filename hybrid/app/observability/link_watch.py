@@ -79,8 +79,12 @@ class LinkWatch:
         self.hidden_s = 0.0  # the inter-node seconds per step backward hid, when an every-step mode last ran
         self._skip = False  # the interval after a switch holds the switch itself: not a measurement of the mode
         self._sums = [0.0] * len(SUMS)
-        # Each step's inter-node seconds, then each step's exposed ones; inf where the rank crossed nothing.
-        self._inter_steps = [math.inf] * (2 * every)
+        self._clear_steps()
+
+    def _clear_steps(self) -> None:
+        """Each step's inter-node seconds and its exposed ones, by step within the interval; inf where the rank
+        crossed nothing (each step's least among the ranks is taken)."""
+        self._inter_steps, self._exposed_steps = [math.inf] * self.every, [math.inf] * self.every
 
     @property
     def nics_used(self) -> int:
@@ -95,9 +99,9 @@ class LinkWatch:
         crossed = sum(phases[n].bytes for n in INTER if n in phases) if not hidden else 0
         sums[0] += crossed
         at = (done - 1) % self.every
-        self._inter_steps[at] = sum(phases[n].seconds for n in INTER if n in phases) if crossed else math.inf
         exposed = sum(times.exposed.get(n, 0.0) for n in INTER) if times is not None else 0.0
-        self._inter_steps[self.every + at] = exposed if crossed else math.inf
+        self._inter_steps[at] = sum(phases[n].seconds for n in INTER if n in phases) if crossed else math.inf
+        self._exposed_steps[at] = exposed if crossed else math.inf
         sums[2] += sum(phases[n].bytes for n in INTRA if n in phases)
         sums[3] += sum(phases[n].seconds for n in INTRA if n in phases)
         sums[4] += step_s
@@ -124,7 +128,7 @@ class LinkWatch:
         """What a resumed run needs to choose as the straight one does: samples, sums, the chooser, the advice."""
         return {"inter": [list(self.inter.samples), self.inter.held],
                 "intra": [list(self.intra.samples), self.intra.held], "sums": list(self._sums),
-                "inter_steps": list(self._inter_steps),
+                "inter_steps": list(self._inter_steps), "exposed_steps": list(self._exposed_steps),
                 "chooser": self.chooser.state_dict(), "running": [self.running.name, self.running.sync_every],
                 "advice": [self.advice.name, self.advice.sync_every] if self.advice else None,
                 "history": list(self.history), "hidden_s": self.hidden_s, "skip": self._skip}
@@ -135,7 +139,9 @@ class LinkWatch:
             estimate.held = held
         self._sums = [float(v) for v in state["sums"]]
         steps = state.get("inter_steps")  # absent from an older hybrid's: its interval is not measured
-        self._inter_steps = [float(v) for v in steps] if steps is not None else [math.inf] * (2 * self.every)
+        self._clear_steps()
+        if steps is not None:
+            self._inter_steps, self._exposed_steps = [float(v) for v in steps], [float(v) for v in state["exposed_steps"]]
         self.chooser.load_state_dict(state["chooser"])
         self.running = Mode.parse(*state["running"])
         self.advice = Mode.parse(*state["advice"]) if state["advice"] else None
@@ -144,7 +150,7 @@ class LinkWatch:
 
     def _estimate(self, done: int) -> None:
         # One MAX for the slowest rank's sums and, negated, each step's least inter-node and exposed seconds.
-        both = torch.tensor(self._sums + [-s for s in self._inter_steps], dtype=torch.float64)
+        both = torch.tensor(self._sums + [-s for s in self._inter_steps + self._exposed_steps], dtype=torch.float64)
         crossed = both[:1].clone()
         dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the same figures on every rank
         dist.all_reduce(crossed)  # what the node's NIC carried: the leader's, or with sharded every worker's share
@@ -152,7 +158,8 @@ class LinkWatch:
         least[~torch.isfinite(least)] = 0.0  # steps that crossed nothing (DiLoCo's inner steps)
         sums[1] += least[:self.every].sum()  # beside a probe's seconds (the slowest leader's)
         sums[7] += least[self.every:].sum()
-        self._sums, self._inter_steps = [0.0] * len(SUMS), [math.inf] * (2 * self.every)
+        self._sums = [0.0] * len(SUMS)
+        self._clear_steps()
         inter_b = float(crossed) / self.layout.nnodes / self.nics_used  # per NIC: the cost model's inter level
         _, inter_s, intra_b, intra_s, step_s, steps, compute_s, exposed_s = sums.tolist()
         measured = Interval(step_s / steps, compute_s / steps, inter_s / steps, exposed_s / steps)
